@@ -1,0 +1,79 @@
+"""Engine configuration: frozen dataclasses built once at start-up.
+
+Values discovered at start-up (like the number of KV blocks) are returned by the
+code that finds them, never written back here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a local HF directory, a .gguf file, or a hub id
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: Literal["sha256", "xxhash", "builtin"] = "sha256"
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes for KV; None = a share of free RAM
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory we may use
+    num_gpu_blocks_override: int | None = None  # tests: force a small pool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = "fcfs"
+    max_model_len: int = 2048  # resolved from ModelConfig at start-up
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flash_attn | triton
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count with an optional K/M/G/T suffix (binary units).
+
+    Example: "512M" -> 536870912, "1.5G" -> 1610612736, "4096" -> 4096.
+    """
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use bytes with an optional K/M/G/T suffix)")
+    number, unit, _ = match.groups()
+    return int(float(number) * _SIZE_UNITS[unit.upper()])

@@ -1,0 +1,133 @@
+"""KVCacheManager: which blocks each request holds, prefix lookups, allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.block_pool import BlockPool
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last reset, counted in tokens."""
+
+    num_requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks on top of a `BlockPool`.
+
+    `req_to_blocks[req_id]` lists the request's blocks in token order: token `t`
+    of the request lives in block `req_to_blocks[req_id][t // block_size]` at
+    offset `t % block_size`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks already carry their hash.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of `request`: (blocks, number of tokens they hold).
+
+        The last token is never taken from the cache: even a fully cached prompt
+        computes one token, to get the logits of the next one.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        max_hit_blocks = max_hit_tokens // self.block_size
+        hit_blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break  # the chain is broken: no later block can match
+            hit_blocks.append(block)
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.num_requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        return hit_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens of `request`.
+
+        `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`)
+        that the request takes now. Returns the newly allocated blocks (possibly
+        empty), or None if the pool cannot hold them; on None nothing changed.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after_step = num_computed_tokens + num_new_tokens
+        num_required_blocks = cdiv(num_tokens_after_step, self.block_size)
+        num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        # Hits on free blocks take those blocks out of the free pool as well.
+        num_hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_hits_on_free > self.block_pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[request.req_id]
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Blocks that will be full after this step get their hash now: their KV is
+            # written by this step's forward pass before any later step can read it.
+            num_full_blocks = min(
+                num_tokens_after_step // self.block_size, len(request.block_hashes)
+            )
+            num_cached = self.num_cached_blocks.get(request.req_id, 0)
+            if num_full_blocks > num_cached:
+                self.block_pool.cache_full_blocks(
+                    req_blocks, request.block_hashes, num_cached, num_full_blocks
+                )
+                self.num_cached_blocks[request.req_id] = num_full_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of `request` (tail first); safe to call twice."""
+        blocks = self.req_to_blocks.pop(request.req_id, [])
+        self.num_cached_blocks.pop(request.req_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats since the last call; resets the counters."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,89 @@
+"""Typed handoffs out of the model runner and out of the engine core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprobs:
+    """Logprobs of the sampled token and the top-N alternatives, one row per token.
+
+    Row i: `token_ids[i][0]` is the sampled token, followed by the top-N ids;
+    `logprobs[i]` aligns with it; `ranks[i]` is the sampled token's rank (1 = best).
+    """
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's sampled tokens, in the order of `req_ids`.
+
+    `sampled_token_ids[i]` is empty when request i is in the middle of a chunked
+    prefill (no token is sampled until its whole prompt is computed).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Requests whose step failed (e.g. a fault in the forward pass): req_id -> message.
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request from one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """Per-step engine stats, the single source for the Prometheus metrics."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0  # this step
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    step_duration_s: float = 0.0
+
+
+@dataclass
+class RequestTimes:
+    """Engine-side timestamps of one request (time.time()), for latency metrics."""
+
+    queued: float = 0.0
+    scheduled: float = 0.0  # first scheduled
+    first_token: float = 0.0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one engine-core step sends back to the frontend."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # First-scheduled times of requests that started this step: req_id -> time.time().
+    scheduled_times: dict[str, float] = field(default_factory=dict)

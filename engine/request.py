@@ -1,0 +1,152 @@
+"""A request as the engine core sees it: token ids, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_hash import BlockHash, BlockHasher
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason for a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the frontend hands the engine core: tokenized and validated."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Request:
+    """One sequence in the engine core.
+
+    Invariants the scheduler relies on:
+      * `all_token_ids == prompt_token_ids + output_token_ids`
+      * `num_computed_tokens <= num_tokens`; tokens `[0, num_computed_tokens)` have KV
+        in this request's blocks.
+      * `block_hashes[i]` is the hash of full block i of `all_token_ids`; it is
+        computed once, when that block's last token is appended.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasher | None = None,
+    ):
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.max_tokens = sampling_params.max_tokens  # resolved by the engine if None
+
+        self._block_hasher = block_hasher
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, block_hasher: BlockHasher | None
+    ) -> Request:
+        return cls(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            block_hasher=block_hasher,
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is None:
+            return
+        if (len(self.block_hashes) + 1) * self._block_hasher.block_size > self.num_tokens:
+            return  # no new full block: the common decode step stops here
+        self.block_hashes.extend(
+            self._block_hasher.new_block_hashes(
+                self._all_token_ids, self.block_hashes, self.cache_salt
+            )
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,55 @@
+"""What the scheduler hands the model runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen before: everything it needs, in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens with KV already in the blocks (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, as a diff since their last step.
+
+    Parallel lists, one entry per request. For a request resumed from preemption
+    `new_block_ids` is its complete block list (it replaces the old one) and its
+    `num_computed_tokens` restarts from its prefix-cache hit.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. `num_scheduled_tokens` is keyed by req_id, in batch order."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests preempted in this step: the runner drops their rows, keeps their state.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests finished (or aborted) since the last step: the runner forgets them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

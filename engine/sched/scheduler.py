@@ -1,0 +1,342 @@
+"""The continuous-batching scheduler.
+
+There are no prefill and decode phases. Each request has `num_computed_tokens`;
+each step the scheduler gives every request up to
+`num_tokens - num_computed_tokens` new tokens within the step's token budget
+(`max_num_batched_tokens`) and seat budget (`max_num_seqs`). A long prompt is thus
+prefilled in chunks, and decodes (one new token each) share steps with prefills.
+
+    step:  running requests first (in order)  ->  then waiting requests (queue order)
+           allocate_slots() fails?  -> preempt the lowest-priority running request
+                                       (free its blocks, reset it, FRONT of waiting);
+                                       admit no waiting request this step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
+from engine.kv_cache.manager import KVCacheManager
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
+from engine.request import EngineCoreRequest, Request, RequestStatus
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched.request_queue import make_request_queue
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.block_hasher = (
+            BlockHasher(cache_config.block_size, get_hash_fn(cache_config.prefix_caching_hash_algo))
+            if cache_config.enable_prefix_caching
+            else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner must forget them.
+        self.finished_req_ids: set[str] = set()
+        self._num_preemptions_since_stats = 0
+        self._scheduled_times: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, core_request: EngineCoreRequest) -> Request:
+        """Queue a validated request. The frontend has checked its length already."""
+        request = Request.from_engine_core_request(core_request, self.block_hasher)
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len "
+                f"{self.max_model_len}"
+            )
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_tokens = min(request.max_tokens or room, room)
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+        return request
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish (typically abort) requests wherever they are; frees their blocks.
+
+        Unknown or already finished ids are ignored. Returns the ids finished here.
+        """
+        assert status.is_finished
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(req_id)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+        self._scheduled_times.pop(request.req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                # Never compute a position at or beyond max_model_len.
+                self.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                if victim in scheduled_running:
+                    # Only under the priority policy: give back its tokens this step.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.req_id)
+                    new_block_ids.pop(victim.req_id)
+                    index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # `request` itself was preempted; nothing lower is left to run
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.req_id] = num_new_tokens
+            new_block_ids[request.req_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting requests, only if nothing was preempted this step.
+        while (
+            not preempted
+            and len(self.waiting) > 0
+            and token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks, num_computed
+            )
+            if new_blocks is None:
+                break  # out of KV blocks: waiting requests never preempt running ones
+            self.waiting.pop()
+            self.running.append(request)
+            if request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed.append(request)
+            else:
+                scheduled_new.append(request)
+                request.num_cached_tokens = num_computed
+                self._scheduled_times[request.req_id] = time.time()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            num_scheduled_tokens[request.req_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        output = self._make_output(
+            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
+            new_block_ids, preempted,
+        )
+        # The scheduled tokens count as computed from now on: the runner computes them
+        # before the next schedule() runs.
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.config.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, reset progress, front of waiting."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions_since_stats += 1
+        self.waiting.add_preempted(request)
+
+    def _make_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_resumed: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        manager = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=manager.get_block_ids(r.req_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for request in scheduled_running:
+            cached.req_ids.append(request.req_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(new_block_ids[request.req_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        for request in scheduled_resumed:
+            cached.req_ids.append(request.req_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_block_ids.append(manager.get_block_ids(request.req_id))
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        # Batch order: running first, then resumed, then new (the runner may reorder).
+        ordered = {r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_running}
+        ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_resumed})
+        ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_new})
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=ordered,
+            total_num_scheduled_tokens=sum(ordered.values()),
+            preempted_req_ids={r.req_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        num_prompt_tokens = num_generation_tokens = 0
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while the step ran
+            num_prompt_tokens += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                - (request.num_computed_tokens - num_tokens)
+            )
+            index = runner_output.req_id_to_index.get(req_id)
+            error = runner_output.errors.get(req_id)
+            if error is not None:
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(req_id, [], "error", error=error))
+                continue
+            sampled = runner_output.sampled_token_ids[index] if index is not None else []
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            num_generation_tokens += len(new_token_ids)
+            if not new_token_ids and not request.is_finished:
+                continue  # mid-prefill: nothing to report
+            logprobs = runner_output.logprobs.get(req_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs,
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        stats = self.make_stats()
+        stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+        stats.num_prompt_tokens = num_prompt_tokens
+        stats.num_generation_tokens = num_generation_tokens
+        scheduled_times = {
+            r.req_id: self._scheduled_times.pop(r.req_id)
+            for r in scheduler_output.scheduled_new_reqs
+            if r.req_id in self._scheduled_times
+        }
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=stats, timestamp=time.time(),
+            scheduled_times=scheduled_times,
+        )
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set the finished status if `token_id` ends the request. Order as vLLM's."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+        return request.is_finished
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.take_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_since_stats,
+        )
+        self._num_preemptions_since_stats = 0
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
