@@ -1,0 +1,130 @@
+"""The torch attention backend: the CPU default and the reference for the others.
+
+Decodes (query length 1) of the whole batch run as one batched SDPA over their
+gathered blocks; each prefill chunk runs its own SDPA with a causal mask offset
+by its cached context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    all_slots_valid: bool,
+) -> None:
+    """kv_cache[:, slot // block_size, slot % block_size] = (key, value), skipping -1.
+
+    Example (block_size 4): slot 9 -> block 2, offset 1.
+    """
+    num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    if not all_slots_valid:
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `seq_len_max` positions for each row of `block_ids`.
+
+    block_ids [B, nb] -> K, V [B, nb * block_size (trimmed to seq_len_max), Hkv, D]
+    """
+    block_size = kv_cache.shape[2]
+    num_blocks_needed = -(-seq_len_max // block_size)
+    ids = block_ids[:, :num_blocks_needed]
+    keys = kv_cache[0][ids].flatten(1, 2)[:, :seq_len_max]
+    values = kv_cache[1][ids].flatten(1, 2)[:, :seq_len_max]
+    return keys, values
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
+        num_tokens = metadata.num_actual_tokens
+        out = torch.empty_like(query)
+        if kv_cache is None:  # profiling pass: every request is a fresh prefill
+            self._prefill_without_cache(query, key, value, metadata, scale, out)
+            return out
+        write_to_kv_cache(
+            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens],
+            all_slots_valid=True,
+        )
+        query_lens = metadata.query_lens_np
+        decode_reqs = np.flatnonzero(query_lens == 1)
+        if len(decode_reqs):
+            self._decode(query, kv_cache, metadata, decode_reqs, scale, out)
+        for req in np.flatnonzero(query_lens > 1):
+            self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
+        return out
+
+    def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
+        """All single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D]."""
+        token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs]).to(query.device)
+        seq_lens_np = metadata.seq_lens_np[decode_reqs]
+        max_len = int(seq_lens_np.max())
+        req_idx = torch.from_numpy(decode_reqs).to(query.device)
+        keys, values = gather_context(kv_cache, metadata.block_table[req_idx], max_len)
+        num_kv_heads = keys.shape[2]
+        q = query[token_idx]  # [B, Hq, D]
+        batch, num_heads, head_size = q.shape
+        q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)
+        seq_lens = torch.from_numpy(seq_lens_np).to(query.device)
+        positions = torch.arange(max_len, device=query.device)
+        mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
+        attn = F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=scale,
+        )
+        out[token_idx] = attn.reshape(batch, num_heads, head_size)
+
+    def _prefill(self, query, key, value, kv_cache, metadata, req: int, scale, out) -> None:
+        start, end = metadata.query_start_loc_np[req], metadata.query_start_loc_np[req + 1]
+        seq_len = int(metadata.seq_lens_np[req])
+        q = query[start:end]
+        if seq_len == end - start:  # nothing cached before: the new K/V are the context
+            keys, values = key[start:end], value[start:end]
+        else:
+            keys, values = gather_context(kv_cache, metadata.block_table[req : req + 1], seq_len)
+            keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)
+        out[start:end] = _causal_attention(q, keys, values, scale)
+
+    def _prefill_without_cache(self, query, key, value, metadata, scale, out) -> None:
+        qsl = metadata.query_start_loc_np
+        for req in range(metadata.num_reqs):
+            start, end = qsl[req], qsl[req + 1]
+            out[start:end] = _causal_attention(
+                query[start:end], key[start:end], value[start:end], scale
+            )
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q [L, Hq, D] are the LAST L positions of a context k, v [S, Hkv, D].
+
+    Query i sits at position S - L + i and sees keys 0 .. S - L + i:
+
+        S=5, L=2:  keys   0 1 2 3 4
+                   q0 ->  1 1 1 1 0
+                   q1 ->  1 1 1 1 1
+    """
+    query_len, seq_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if query_len == seq_len:
+        result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                enable_gqa=True)
+    else:
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        result = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                enable_gqa=True)
+    return result.transpose(0, 1)

@@ -1,0 +1,43 @@
+"""The forward context: how one step's attention metadata reaches every layer.
+
+The runner wraps each forward pass in `set_forward_context(...)`; `Attention`
+layers read it with `get_forward_context()`. Models never pass metadata around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.attention.backends.base import AttentionBackend
+    from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    backend: AttentionBackend
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata, backend: AttentionBackend
+) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ForwardContext(attn_metadata, backend)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside set_forward_context(): the runner sets it")
+    return _current

@@ -1,0 +1,41 @@
+"""The one attention layer every model calls."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV cache.
+
+    `kv_cache` is set once by the model runner after it sizes the cache
+    (`[2, num_blocks, block_size, num_kv_heads, head_size]`); the layer writes the
+    step's new K/V into it and reads its context from it. Inputs and output are
+    flat per token: q [T, num_heads * head_size], k/v [T, num_kv_heads * head_size].
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not group into {num_kv_heads} KV heads")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context = get_forward_context()
+        num_tokens = q.shape[0]
+        out = context.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            context.attn_metadata,
+            self.scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,44 @@
+"""Attention metadata: where each step's tokens sit in the batch and in the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner, read by every attention layer.
+
+    For a step scheduling query lengths [2, 5, 3] of requests whose contexts were
+    [0, 7, 20] tokens before the step:
+
+        query_start_loc = [0, 2, 7, 10]     request r's tokens: [qsl[r], qsl[r+1])
+        seq_lens        = [2, 12, 23]       context AFTER the step (old + new)
+        block_table[r]  = the block ids of request r, padded with 0
+        slot_mapping[t] = block_id * block_size + offset of token t (-1: padding)
+
+    Request r's queries are the last `q_len` positions of its sequence; each
+    attends causally to every earlier key, all read from the cache.
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], on the model's device
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_num_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    # Host copies, so backends can plan without a device sync.
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_np)
+
+    @property
+    def query_lens_np(self) -> np.ndarray:
+        return np.diff(self.query_start_loc_np)

@@ -1,0 +1,122 @@
+"""EngineCore: one step = schedule() -> execute_model() -> update_from_output().
+
+Used in-process by the offline `LLM` API and tests, and inside its own process by
+the server (see `engine/core_proc.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from engine.request import EngineCoreRequest, RequestStatus
+from engine.sched.output import SchedulerOutput
+from engine.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What start-up found out about the model and its KV cache."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+class Executor(Protocol):
+    """Runs the model. The real one is `engine.worker.executor.ModelExecutor`."""
+
+    def initialize(self) -> KVCacheInfo: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class StepFaultInjector:
+    """Test hook: `PAGEDSERVE_FAULT_STEPS=3,7` raises inside steps 3 and 7.
+
+    Unset (the normal case) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        spec = os.environ.get("PAGEDSERVE_FAULT_STEPS", "")
+        self.steps = {int(s) for s in spec.split(",") if s.strip()}
+
+    def check(self, step_index: int) -> None:
+        if step_index in self.steps:
+            raise RuntimeError(f"injected fault in step {step_index} (PAGEDSERVE_FAULT_STEPS)")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        if executor is None:
+            from engine.worker.executor import ModelExecutor
+
+            executor = ModelExecutor(config)
+        self.config = config
+        self.executor = executor
+        self.kv_cache_info = executor.initialize()
+        scheduler_config = replace(
+            config.scheduler_config, max_model_len=self.kv_cache_info.max_model_len
+        )
+        cache_config = replace(config.cache_config, block_size=self.kv_cache_info.block_size)
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks)
+        self.num_steps = 0
+        self._fault_injector = StepFaultInjector()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> list[str]:
+        """Abort requests; their blocks are free when this returns."""
+        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one engine step. A failing model step fails only its own requests."""
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            outputs = EngineCoreOutputs(
+                scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+            )
+            return outputs
+        self.num_steps += 1
+        try:
+            self._fault_injector.check(self.num_steps)
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.exception("model step %d failed; failing its requests", self.num_steps)
+            return self._fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if outputs.scheduler_stats is not None:
+            outputs.scheduler_stats.step_duration_s = time.perf_counter() - started
+        return outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, message: str) -> EngineCoreOutputs:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        failed = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        outputs = [
+            EngineCoreOutput(req_id, [], "error", error=f"engine step failed: {message}")
+            for req_id in failed
+        ]
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

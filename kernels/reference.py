@@ -1,0 +1,105 @@
+"""Pure-torch reference implementations of the paged-KV-cache kernels.
+
+These are the ground truth the Triton kernels are tested against. They favour clarity over
+speed: plain indexing and a per-request loop, fp32 maths. They need only torch (no triton).
+
+Layouts (shared with ``kernels.reshape_and_cache`` and ``kernels.paged_attention``)::
+
+    kv_cache        [2, num_blocks, block_size, num_kv_heads, head_size]   (0 = K, 1 = V)
+    slot_mapping    int64 [num_tokens]     slot = block_id * block_size + offset, -1 = padding
+    query           [num_tokens, num_heads, head_size]
+    query_start_loc int32 [num_reqs + 1]   cumulative query lengths
+    seq_lens        int32 [num_reqs]       context length AFTER this step (cached + new)
+    block_table     int32 [num_reqs, max_num_blocks_per_req]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` (in place).
+
+    Token ``t`` goes to block ``slot_mapping[t] // block_size``, offset
+    ``slot_mapping[t] % block_size``. Tokens whose slot is ``-1`` (padding) are skipped.
+    Values are cast to the cache dtype.
+    """
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    kv_cache[0, block_ids, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1, block_ids, offsets] = value[keep].to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the dense K and V ``[seq_len, Hkv, D]`` of one request, read through its block table.
+
+    Position ``p`` lives at block ``block_table_row[p // block_size]``, offset
+    ``p % block_size``. Table entries past ``seq_len`` are never touched.
+    """
+    block_size = kv_cache.shape[2]
+    positions = torch.arange(seq_len, device=kv_cache.device)
+    block_ids = block_table_row.to(device=kv_cache.device, dtype=torch.long)[
+        positions // block_size
+    ]
+    offsets = positions % block_size
+    return kv_cache[0, block_ids, offsets], kv_cache[1, block_ids, offsets]
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new queries over its whole (paged) context.
+
+    Request ``r`` owns query rows ``query_start_loc[r] : query_start_loc[r + 1]`` (``q_len``
+    rows); they are the last ``q_len`` positions of its sequence, i.e. positions
+    ``seq_lens[r] - q_len .. seq_lens[r] - 1``. The query at position ``p`` attends to the keys
+    at positions ``0 .. p``. Query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``.
+    Computed in fp32, written in ``query.dtype`` to ``out`` (allocated if ``None``), which is
+    returned. Rows past ``query_start_loc[-1]`` (padding) are left untouched.
+    ``max_query_len`` is accepted for signature compatibility and ignored.
+    """
+    del max_query_len
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        start, end = starts[r], starts[r + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k, v = gather_kv(kv_cache, block_table[r], seq_len)  # [S, Hkv, D]
+        k = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [Q, Hq, D]
+
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
