@@ -1,0 +1,26 @@
+"""The Triton backend (CUDA; runs on CPU under TRITON_INTERPRET=1 for tests)."""
+
+from __future__ import annotations
+
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
+        from kernels.paged_attention import paged_attention
+        from kernels.reshape_and_cache import reshape_and_cache
+
+        if kv_cache is None:  # profiling pass: delegate to the reference path
+            from engine.attention.backends.torch_backend import TorchAttentionBackend
+
+            return TorchAttentionBackend().forward(query, key, value, None, metadata, scale)
+        num_tokens = metadata.num_actual_tokens
+        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache,
+                          metadata.slot_mapping[:num_tokens])
+        return paged_attention(
+            query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+            scale, max_query_len=metadata.max_query_len,
+        )

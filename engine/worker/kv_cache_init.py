@@ -1,0 +1,81 @@
+"""Sizing and allocating the KV cache at start-up (vLLM's `_initialize_kv_caches`).
+
+    1. collect each attention layer's spec (KV heads, head size, dtype, block size)
+    2. measure the memory left for KV after the weights and a profiling forward pass
+    3. num_blocks = available_bytes // bytes of one block across all layers
+    4. allocate each layer's tensor once: [2, num_blocks, block_size, kv_heads, head_size]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.layer import Attention
+from engine.config import CacheConfig
+
+# CPU default when --kv-cache-memory is not given: this share of available RAM, capped.
+CPU_DEFAULT_KV_SHARE = 0.25
+CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes in one layer (K and V)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+
+
+def get_kv_cache_specs(
+    layers: list[Attention], dtype: torch.dtype, block_size: int
+) -> list[KVCacheSpec]:
+    return [KVCacheSpec(layer.num_kv_heads, layer.head_size, dtype, block_size) for layer in layers]
+
+
+def cpu_available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) -> int:
+    """Bytes the KV cache may take, measured after weights and the profiling pass."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        peak_torch = torch.cuda.max_memory_allocated(device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(device)
+        return int(total * cache_config.gpu_memory_utilization) - peak_torch - non_torch
+    if cache_config.kv_cache_memory_bytes is not None:
+        return cache_config.kv_cache_memory_bytes
+    return min(int(cpu_available_memory_bytes() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP_BYTES)
+
+
+def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int) -> int:
+    return max(0, available_bytes // sum(spec.block_bytes for spec in specs))
+
+
+def allocate_kv_caches(
+    specs: list[KVCacheSpec], num_blocks: int, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN)."""
+    return [
+        torch.zeros(
+            (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size),
+            dtype=spec.dtype, device=device,
+        )
+        for spec in specs
+    ]

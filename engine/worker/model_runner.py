@@ -1,0 +1,282 @@
+"""The model runner: SchedulerOutput in, sampled tokens out.
+
+    execute_model(scheduler_output)
+      _update_states   apply the scheduler's diff to the persistent batch
+      _prepare_inputs  build input_ids / positions / attention metadata (numpy)
+      forward          model(input_ids, positions) under the forward context
+      sample           logits of each request's last token -> sampler
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.forward_context import set_forward_context
+from engine.attention.layer import Attention
+from engine.attention.metadata import AttentionMetadata
+from engine.outputs import Logprobs, ModelRunnerOutput
+from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
+from engine.sched.output import SchedulerOutput
+from engine.worker.input_batch import CachedRequestState, InputBatch
+
+
+@dataclass
+class ModelInputs:
+    """One step's tensors, in the scheduler's batch order."""
+
+    req_ids: list[str]
+    row_indices: np.ndarray  # [num_reqs] rows of the persistent batch
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    # Requests that sample this step (their whole known sequence is now computed).
+    sample_req_indices: np.ndarray  # indices into req_ids
+    logits_indices: torch.Tensor  # token index of each sampling request's last token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        device: torch.device,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+    ):
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.requests: dict[str, CachedRequestState] = {}
+        self.eos_token_ids: dict[str, int | None] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, self.max_num_blocks_per_req)
+        self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---------------------------------------------------------------- KV cache
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each attention layer its cache tensor, once, in model order."""
+        assert len(kv_caches) == len(self.attention_layers)
+        self.kv_caches = kv_caches
+        for layer, cache in zip(self.attention_layers, kv_caches, strict=True):
+            layer.kv_cache = cache
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A forward pass of `num_tokens` dummy prompt tokens, before any KV exists."""
+        lengths = [self.max_model_len - 1] * (num_tokens // (self.max_model_len - 1))
+        if num_tokens % (self.max_model_len - 1):
+            lengths.append(num_tokens % (self.max_model_len - 1))
+        query_start_loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        seq_lens = np.asarray(lengths, dtype=np.int32)
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        metadata = self._make_metadata(
+            query_start_loc, seq_lens, np.zeros((len(lengths), 1), np.int32),
+            np.full(num_tokens, -1, np.int64),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(metadata, self.backend):
+            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device))
+        self.model.compute_logits(hidden[-len(lengths):])
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, [])
+        inputs = self._prepare_inputs(scheduler_output)
+        with set_forward_context(inputs.attn_metadata, self.backend):
+            hidden_states = self.model(inputs.input_ids, inputs.positions)
+        prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
+        sampled = self._sample(inputs, hidden_states)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(inputs.req_ids)},
+            sampled_token_ids=sampled[0],
+            logprobs=sampled[1],
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diff: finished, preempted, new, resumed, new blocks."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.eos_token_ids.pop(req_id, None)
+            self._remove_row(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            self._remove_row(req_id)  # keep its state: it will resume
+        for new in scheduler_output.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            self.eos_token_ids[new.req_id] = new.eos_token_id
+            self._add_row(state)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+                self._add_row(state)
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+                row = batch.req_id_to_row[req_id]
+                batch.append_block_ids(row, cached.new_block_ids[i])
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+
+    def _add_row(self, state: CachedRequestState) -> None:
+        row = self.input_batch.add_request(state)
+        self.sampling_state.add_request(
+            row, state.sampling_params, state.prompt_token_ids, state.output_token_ids,
+            self.eos_token_ids.get(state.req_id),
+        )
+
+    def _remove_row(self, req_id: str) -> None:
+        row = self.input_batch.remove_request(req_id)
+        if row is not None:
+            self.sampling_state.remove_request(row)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        batch = self.input_batch
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
+        num_scheduled = np.fromiter(
+            scheduler_output.num_scheduled_tokens.values(), np.int64, len(req_ids)
+        )
+        # Worked example: three requests scheduling [2, 5, 3] tokens, already
+        # computed [0, 7, 20], block_size 2.
+        #   cu_num_tokens = [2, 7, 10]
+        #   req_indices   = [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]   request of each token
+        #   offsets       = [0, 1, 0, 1, 2, 3, 4, 0, 1, 2]   index within its request
+        #   positions     = computed[req_indices] + offsets
+        #                 = [0, 1, 7, 8, 9, 10, 11, 20, 21, 22]
+        #   block number  = block_table[row, position // 2], e.g. request 1's
+        #                   position 9 -> its 5th block; slot = block * 2 + 9 % 2
+        cu_num_tokens = np.cumsum(num_scheduled)
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens[rows]
+        positions = num_computed[req_indices] + offsets
+        token_rows = rows[req_indices]
+        input_ids = batch.token_ids[token_rows, positions]
+        block_numbers = batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
+        query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        block_table = batch.block_table[rows, :max_blocks]
+        metadata = self._make_metadata(query_start_loc, seq_lens, block_table, slot_mapping)
+
+        # A request samples once every token it knows is computed; a request in the
+        # middle of a chunked prefill does not.
+        sample_req_indices = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        logits_indices = cu_num_tokens[sample_req_indices] - 1
+        return ModelInputs(
+            req_ids=req_ids,
+            row_indices=rows,
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn_metadata=metadata,
+            sample_req_indices=sample_req_indices,
+            logits_indices=torch.from_numpy(logits_indices).to(self.device),
+        )
+
+    def _make_metadata(self, query_start_loc, seq_lens, block_table, slot_mapping):
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        return AttentionMetadata(
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=to_device(query_start_loc),
+            seq_lens=to_device(seq_lens),
+            block_table=to_device(block_table),
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc_np=query_start_loc,
+            seq_lens_np=seq_lens,
+        )
+
+    def _sample(
+        self, inputs: ModelInputs, hidden_states: torch.Tensor
+    ) -> tuple[list[list[int]], dict[str, Logprobs]]:
+        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        if len(inputs.sample_req_indices) == 0:
+            return sampled_token_ids, {}
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        sample_rows = inputs.row_indices[inputs.sample_req_indices]
+        metadata = self.sampling_state.make_metadata(sample_rows)
+        output = self.sampler(logits, metadata)
+        token_ids = output.sampled_token_ids.tolist()
+        logprobs: dict[str, Logprobs] = {}
+        lp = output.logprobs
+        if lp is not None:
+            lp_token_ids, lp_values, lp_ranks = (
+                lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            )
+        batch = self.input_batch
+        for i, req_index in enumerate(inputs.sample_req_indices.tolist()):
+            req_id = inputs.req_ids[req_index]
+            token_id = token_ids[i]
+            sampled_token_ids[req_index] = [token_id]
+            self.requests[req_id].output_token_ids.append(token_id)
+            row = int(sample_rows[i])
+            batch.append_token(row, token_id)
+            self.sampling_state.append_output_token(row, token_id)
+            num_logprobs = self.requests[req_id].sampling_params.logprobs
+            if lp is not None and num_logprobs is not None:
+                logprobs[req_id] = Logprobs(
+                    token_ids=[lp_token_ids[i][: 1 + num_logprobs]],
+                    logprobs=[lp_values[i][: 1 + num_logprobs]],
+                    ranks=[lp_ranks[i]],
+                )
+        return sampled_token_ids, logprobs
+
+    def _compute_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden_states: torch.Tensor
+    ) -> dict[str, Logprobs]:
+        """Logprobs of each prompt token given the ones before it (chunk by chunk).
+
+        For a chunk covering prompt positions [s, e), position p predicts token p+1,
+        so targets are prompt[s+1 : e+1] (the last prompt position predicts nothing).
+        """
+        result: dict[str, Logprobs] = {}
+        qsl = inputs.attn_metadata.query_start_loc_np
+        for index, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            num_top = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            start_pos = state.num_computed_tokens
+            if num_top is None or start_pos >= num_prompt - 1:
+                continue
+            end_pos = min(start_pos + int(qsl[index + 1] - qsl[index]), num_prompt - 1)
+            token_start = int(qsl[index])
+            hidden = hidden_states[token_start : token_start + end_pos - start_pos]
+            targets = torch.tensor(
+                state.prompt_token_ids[start_pos + 1 : end_pos + 1], device=self.device
+            )
+            tensors = compute_prompt_logprobs(self.model.compute_logits(hidden), targets, num_top)
+            result[req_id] = Logprobs(
+                token_ids=tensors.token_ids.tolist(),
+                logprobs=tensors.logprobs.tolist(),
+                ranks=tensors.ranks.tolist(),
+            )
+        return result
