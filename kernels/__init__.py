@@ -7,73 +7,99 @@
 Triton is imported lazily, on the first kernel launch, so ``import kernels`` and the torch
 references work on machines without triton.
 
-Compiled or interpreted? With triton 3.x, ``@triton.jit`` reads ``TRITON_INTERPRET`` (through
-``triton.knobs.runtime.interpret``, which re-reads the environment on each access) at
-*decoration* time: it returns an ``InterpretedFunction`` or a ``JITFunction``, and the launch
-itself never looks at the variable again. Module-level ``@triton.jit`` would therefore freeze the
-mode at whatever the environment held when the module was first imported. To avoid that
-import-order trap, the kernel modules keep their kernels as plain functions and ``jit_kernel``
-decorates them on demand, once per mode: tensors not on CUDA always run under the interpreter
-(the only way Triton runs on CPU), CUDA tensors run compiled unless ``TRITON_INTERPRET`` is set.
+Compiled or interpreted? With triton 3.9 the choice is made per process, when ``triton`` is
+first imported: ``@triton.jit`` reads ``TRITON_INTERPRET`` (``triton.knobs.runtime.interpret``)
+when it *decorates* a function, and triton.language's own helpers (``tl.zeros``, ``tl.max``,
+``tl.sum``, ...) are decorated at ``import triton`` time. A kernel decorated in interpret mode
+that calls helpers decorated in compiled mode fails ("Cannot call @triton.jit'd outside of the
+scope of a kernel"); the launch itself never reads the variable. Hence:
+
+* the kernel modules keep their kernels as plain functions; ``jit_kernel`` decorates them on
+  first launch in the same mode triton.language was imported in;
+* when this package is the first to import triton and CUDA is unavailable, it sets
+  ``TRITON_INTERPRET=1`` (if unset) just before the import: without a GPU the interpreter is
+  the only way Triton runs;
+* to interpret on a CUDA machine, export ``TRITON_INTERPRET=1`` before anything imports triton.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_TRUE = ("1", "true", "on", "yes")
-_jit_cache: dict[tuple[Callable[..., Any], bool], Any] = {}
+_jit_cache: dict[Callable[..., Any], Any] = {}
 
 
 def triton_available() -> bool:
-    """True if triton can be imported (without importing it)."""
+    """True if triton can be imported (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-def use_interpreter(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` run under the Triton interpreter."""
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+def import_triton() -> tuple[Any, Any]:
+    """Import and return ``(triton, triton.language)``.
+
+    If triton is not imported yet and CUDA is unavailable, ``TRITON_INTERPRET`` defaults to
+    ``1`` first (see the module docstring).
+    """
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the pagedserve Triton kernels need triton; kernels.reference has torch versions"
+        ) from e
+    return triton, tl
 
 
-def jit_kernel(fn: Callable[..., Any], interpret: bool) -> Any:
-    """Return ``triton.jit(fn)``, compiled (``interpret=False``) or interpreted; cached.
+def triton_interpreted() -> bool:
+    """True if triton in this process runs kernels under its interpreter (imports triton)."""
+    _, tl = import_triton()
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+def jit_kernel(fn: Callable[..., Any]) -> Any:
+    """Return ``triton.jit(fn)`` in the process's triton mode (compiled or interpreted); cached.
 
     ``fn`` is a plain function whose module refers to ``tl`` as a global; that global is bound
-    to ``triton.language`` here, so modules need not import triton at import time. Its
-    ``tl.constexpr`` annotations must be strings (``from __future__ import annotations``).
+    to ``triton.language`` here, so the kernel modules need not import triton at import time.
+    Its ``tl.constexpr`` annotations must be strings (``from __future__ import annotations``).
     """
-    key = (fn, interpret)
-    if key not in _jit_cache:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "the pagedserve Triton kernels need triton; use kernels.reference instead"
-            ) from e
+    if fn not in _jit_cache:
+        triton, tl = import_triton()
         fn.__globals__["tl"] = tl
-        fn.__globals__["triton"] = triton
+        interpret = triton_interpreted()
         knobs = getattr(triton, "knobs", None)
         if knobs is not None:  # triton >= 3.4: scope() restores the knobs and the env var.
             with knobs.runtime.scope():
                 knobs.runtime.interpret = interpret
-                _jit_cache[key] = triton.jit(fn)
+                _jit_cache[fn] = triton.jit(fn)
         else:  # older triton reads os.environ directly when decorating.
             saved = os.environ.get("TRITON_INTERPRET")
             os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
             try:
-                _jit_cache[key] = triton.jit(fn)
+                _jit_cache[fn] = triton.jit(fn)
             finally:
                 if saved is None:
                     del os.environ["TRITON_INTERPRET"]
                 else:
                     os.environ["TRITON_INTERPRET"] = saved
-    return _jit_cache[key]
+    return _jit_cache[fn]
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Raise a clear error if Triton cannot run a kernel on ``tensor``'s device."""
+    if tensor.device.type != "cuda" and not triton_interpreted():
+        raise RuntimeError(
+            f"Triton kernels on {tensor.device.type} tensors need the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before triton is first imported in this process"
+        )
 
 
 # Imported last: the kernel modules use the helpers above.
@@ -82,11 +108,13 @@ from .reference import paged_attention_ref, reshape_and_cache_ref  # noqa: E402
 from .reshape_and_cache import reshape_and_cache  # noqa: E402
 
 __all__ = [
+    "check_device",
+    "import_triton",
     "jit_kernel",
     "paged_attention",
     "paged_attention_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "triton_available",
-    "use_interpreter",
+    "triton_interpreted",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import jit_kernel, use_interpreter
+from . import check_device, jit_kernel
 
 tl: Any = None  # bound to triton.language by kernels.jit_kernel before the first launch
 
@@ -99,7 +99,8 @@ def reshape_and_cache(
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     if num_tokens == 0:
         return
-    kernel = jit_kernel(_reshape_and_cache_kernel, use_interpreter(kv_cache.device))
+    check_device(kv_cache)
+    kernel = jit_kernel(_reshape_and_cache_kernel)
     kernel[(num_tokens,)](
         key,
         value,

@@ -1,0 +1,336 @@
+"""Tests for kernels/: the Triton kernels against their torch references, and the references
+against naive dense attention.
+
+Without CUDA the kernels run under the Triton interpreter on CPU. With triton 3.9 that mode is
+fixed per process when triton is first imported (see ``kernels/__init__.py``); ``kernels``
+sets ``TRITON_INTERPRET=1`` itself when it is the first to import triton on a machine without
+CUDA. If something else already imported triton in compiled mode, the kernel tests are rerun
+in a fresh interpreter process instead (``test_kernels_in_fresh_process``). With CUDA the
+kernels run compiled on the GPU.
+
+Every batch starts from a KV cache full of NaN, block 0 is never handed to a request (unused
+block-table entries point at it), and the last block of each request is only partly
+written: a kernel that reads a slot it must not read produces NaN and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+HAS_TRITON = kernels.triton_available()
+# Whether this process can run the kernels (imports triton when present).
+IN_PROCESS = HAS_TRITON and (CUDA or kernels.triton_interpreted())
+
+needs_kernels = pytest.mark.skipif(
+    not IN_PROCESS,
+    reason="triton missing" if not HAS_TRITON else "triton compiled-mode on CPU: see fresh process",
+)
+
+# (num_heads, num_kv_heads): GQA with 4 query heads per kv head, and MHA.
+HEADS = [pytest.param(8, 2, id="gqa8x2"), pytest.param(4, 4, id="mha4")]
+HEAD_SIZES = [64, 128]
+BLOCK_SIZES = [16, 32]
+
+# (cached context length, new query tokens) per request; with block sizes 16 and 32 this covers:
+MIXED_BATCH = [
+    (0, 20),  # prefill from scratch, long enough to need two query tiles under GQA
+    (19, 6),  # prefill on top of a cached prefix that ends mid-block
+    (37, 1),  # decode, mid-block
+    (31, 1),  # decode whose token is the first of a new block (seq_len 32 with block size 16)
+    (0, 1),  # one-token prompt
+]
+
+
+@dataclass
+class Batch:
+    """A step's inputs. The cache holds every request's cached context; the new tokens' K/V
+    are in ``key``/``value`` (not yet in the cache). The last ``num_pad`` token rows are
+    padding (slot -1, outside ``query_start_loc``)."""
+
+    kv_cache: torch.Tensor
+    key: torch.Tensor  # [T, Hkv, D]
+    value: torch.Tensor
+    query: torch.Tensor  # [T, Hq, D]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [R + 1]
+    seq_lens: torch.Tensor  # int32 [R]
+    dense_k: list[torch.Tensor]  # per request, the whole sequence's K [seq_len, Hkv, D]
+    dense_v: list[torch.Tensor]
+    num_real: int  # tokens before the padding
+    max_query_len: int
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    num_pad: int = 3,
+    seed: int = 0,
+) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    blocks_per_req = [-(-(ctx + q) // block_size) for ctx, q in specs]
+    num_blocks = 1 + sum(blocks_per_req) + 2  # block 0 = poison, 2 spare blocks never used
+    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_table = torch.zeros(len(specs), max(blocks_per_req) + 2, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"))
+    kv_cache = kv_cache.to(dtype)
+
+    keys, values, slots, dense_k, dense_v = [], [], [], [], []
+    for r, (ctx, q_len) in enumerate(specs):
+        n = blocks_per_req[r]
+        block_table[r, :n] = torch.tensor(physical[:n], dtype=torch.int32)
+        physical = physical[n:]
+        seq_len = ctx + q_len
+        k, v = randn(seq_len, num_kv_heads, head_size), randn(seq_len, num_kv_heads, head_size)
+        pos = torch.arange(seq_len)
+        blk, off = block_table[r, pos // block_size].long(), pos % block_size
+        kv_cache[0, blk[:ctx], off[:ctx]] = k[:ctx]  # the cached context
+        kv_cache[1, blk[:ctx], off[:ctx]] = v[:ctx]
+        keys.append(k[ctx:])
+        values.append(v[ctx:])
+        slots.append(blk[ctx:] * block_size + off[ctx:])
+        dense_k.append(k)
+        dense_v.append(v)
+
+    keys.append(randn(num_pad, num_kv_heads, head_size))
+    values.append(randn(num_pad, num_kv_heads, head_size))
+    slots.append(torch.full((num_pad,), -1, dtype=torch.long))
+    q_lens = [q for _, q in specs]
+    num_real = sum(q_lens)
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return Batch(
+        kv_cache=kv_cache.to(DEVICE),
+        key=torch.cat(keys).to(DEVICE),
+        value=torch.cat(values).to(DEVICE),
+        query=randn(num_real + num_pad, num_heads, head_size).to(DEVICE),
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        block_table=block_table.to(DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+        seq_lens=torch.tensor([c + q for c, q in specs], dtype=torch.int32).to(DEVICE),
+        dense_k=[k.to(DEVICE) for k in dense_k],
+        dense_v=[v.to(DEVICE) for v in dense_v],
+        num_real=num_real,
+        max_query_len=max(q_lens),
+    )
+
+
+def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
+    """Dense causal attention from the per-request K/V, one head at a time, no cache at all."""
+    num_heads = batch.query.shape[1]
+    group = num_heads // batch.dense_k[0].shape[1]
+    out = torch.zeros(batch.num_real, *batch.query.shape[1:], dtype=torch.float32)
+    starts = batch.query_start_loc.tolist()
+    for r, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v, strict=True)):
+        seq_len = k.shape[0]
+        for i in range(starts[r], starts[r + 1]):
+            pos = seq_len - (starts[r + 1] - i)  # absolute position of query row i
+            for h in range(num_heads):
+                kk = k[: pos + 1, h // group].float().cpu()
+                vv = v[: pos + 1, h // group].float().cpu()
+                scores = kk @ batch.query[i, h].float().cpu() * scale
+                out[i, h] = torch.softmax(scores, dim=0) @ vv
+    return out
+
+
+def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The torch references (no triton needed)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_reference_attention_matches_naive_dense(num_heads, num_kv_heads, block_size):
+    batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, 64, block_size)
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    scale = 64**-0.5
+    out = paged_attention_ref(
+        batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, scale
+    )
+    expected = naive_attention(batch, scale)
+    torch.testing.assert_close(out[: batch.num_real].cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
+    batch = make_batch(MIXED_BATCH, 4, 2, 64, 16)
+    before = batch.kv_cache.clone()
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    expected = before.clone()
+    for t, slot in enumerate(batch.slot_mapping.tolist()):
+        if slot >= 0:
+            expected[0, slot // 16, slot % 16] = batch.key[t]
+            expected[1, slot // 16, slot % 16] = batch.value[t]
+    assert_same_cache(batch.kv_cache, expected)
+    # The cache now holds every request's whole sequence at the positions its table gives.
+    for r, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v, strict=True)):
+        gk, gv = kernels.reference.gather_kv(batch.kv_cache, batch.block_table[r], k.shape[0])
+        assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+def test_import_without_triton():
+    """`import kernels` must not import triton, and the references must work without it."""
+    code = """
+import sys
+import kernels
+assert "triton" not in sys.modules, "import kernels imported triton"
+sys.modules["triton"] = None  # from here on, `import triton` raises ImportError
+import torch
+from kernels.reference import reshape_and_cache_ref
+cache = torch.zeros(2, 2, 4, 1, 8)
+reshape_and_cache_ref(torch.ones(2, 1, 8), torch.ones(2, 1, 8), cache, torch.tensor([5, -1]))
+assert cache[:, 1, 1].eq(1).all() and cache.sum() == 16
+try:
+    kernels.reshape_and_cache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([0]))
+except ImportError as e:
+    assert "kernels.reference" in str(e)
+else:
+    raise AssertionError("expected ImportError")
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+# --------------------------------------------------------------------------------------------
+# The Triton kernels against the references
+# --------------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "num_kv_heads,head_size,block_size",
+    [(2, 64, 16), (2, 128, 32), (4, 128, 16), (3, 80, 32)],  # (3, 80): non-power-of-two tiles
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_reshape_and_cache_matches_reference(num_kv_heads, head_size, block_size, dtype):
+    batch = make_batch(MIXED_BATCH, num_kv_heads, num_kv_heads, head_size, block_size, dtype)
+    # Move padding from the end into the middle too: -1 may appear anywhere.
+    order = torch.randperm(batch.key.shape[0], generator=torch.Generator().manual_seed(1))
+    key, value, slots = batch.key[order], batch.value[order], batch.slot_mapping[order]
+    assert (slots == -1).sum() == 3 and slots[-1] != -1
+
+    expected = batch.kv_cache.clone()
+    reshape_and_cache_ref(key, value, expected, slots)
+    kernels.reshape_and_cache(key, value, batch.kv_cache, slots)
+    assert_same_cache(batch.kv_cache, expected)
+    # Padding wrote nothing: exactly the real tokens' slots left the NaN state.
+    written = ~batch.kv_cache.isnan().flatten(3).all(-1)  # [2, num_blocks, block_size]
+    cached = sum(ctx for ctx, _ in MIXED_BATCH)
+    assert written.sum(dim=(1, 2)).tolist() == [cached + batch.num_real] * 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_size, block_size):
+    """A whole step: reshape_and_cache then paged_attention, on a mixed batch with padding."""
+    batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, head_size, block_size)
+    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    scale = head_size**-0.5
+    args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    expected = paged_attention_ref(*args, scale)
+
+    out = torch.full_like(batch.query, 123.0)
+    result = kernels.paged_attention(*args, scale, out=out, max_query_len=batch.max_query_len)
+    assert result is out
+    n = batch.num_real
+    torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
+    assert out[n:].eq(123.0).all(), "padding rows were written"
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)], ids=["fp16", "bf16"]
+)
+def test_paged_attention_half_precision(dtype, tol):
+    batch = make_batch(MIXED_BATCH, 8, 2, 64, 16, dtype=dtype)
+    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    expected = paged_attention_ref(*args, 0.125)
+    out = kernels.paged_attention(*args, 0.125)  # max_query_len computed from query_start_loc
+    assert out.dtype == dtype
+    n = batch.num_real
+    torch.testing.assert_close(out[:n], expected[:n], rtol=tol, atol=tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "specs",
+    [
+        pytest.param([(5, 1), (40, 1), (16, 1), (0, 1)], id="decode-only"),
+        pytest.param([(0, 33)], id="one-long-prefill"),
+        pytest.param([(7, 9), (0, 0), (3, 2)], id="with-empty-request"),
+    ],
+)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(8, 2, 64), (6, 2, 80), (16, 1, 64)])
+def test_paged_attention_shapes(specs, num_heads, num_kv_heads, head_size):
+    """Other tilings: decode-only batches, many query tiles, q_len 0, GQA groups of 3 and 16,
+    and a head size that is not a power of two."""
+    batch = make_batch(specs, num_heads, num_kv_heads, head_size, 16)
+    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    expected = paged_attention_ref(*args, 0.1)
+    out = kernels.paged_attention(*args, 0.1)
+    n = batch.num_real
+    torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_kernels_accept_strided_views():
+    """q/k/v as views into one fused qkv projection (row stride != Hq * D), as the model
+    passes them: the kernels must follow the strides, not assume contiguity."""
+    num_heads, num_kv_heads, head_size = 8, 2, 64
+    batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, head_size, 16)
+    num_tokens = batch.query.shape[0]
+    qkv = torch.cat(
+        [t.flatten(1) for t in (batch.query, batch.key, batch.value)], dim=1
+    )  # [T, (Hq + 2 Hkv) D]
+    q, k, v = qkv.split([num_heads * head_size] + [num_kv_heads * head_size] * 2, dim=1)
+    q = q.view(num_tokens, num_heads, head_size)
+    k = k.view(num_tokens, num_kv_heads, head_size)
+    v = v.view(num_tokens, num_kv_heads, head_size)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+
+    expected_cache = batch.kv_cache.clone()
+    reshape_and_cache_ref(batch.key, batch.value, expected_cache, batch.slot_mapping)
+    kernels.reshape_and_cache(k, v, batch.kv_cache, batch.slot_mapping)
+    assert_same_cache(batch.kv_cache, expected_cache)
+
+    args = (batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, 0.125)
+    expected = paged_attention_ref(batch.query, *args)
+    out = kernels.paged_attention(q, *args)
+    n = batch.num_real
+    torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(IN_PROCESS or not HAS_TRITON, reason="kernel tests run in this process")
+def test_kernels_in_fresh_process():
+    """Triton was imported in compiled mode before these tests on a CPU-only machine, so the
+    interpreter cannot be switched on here: rerun this file in a clean interpreter process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
