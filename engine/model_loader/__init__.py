@@ -1,0 +1,23 @@
+"""From `--model X` to a loaded model.
+
+    resolved = resolve_model(model_arg)                      # -> ResolvedModel(path, served_model_name, source)
+    config = transformers.AutoConfig.from_pretrained(resolved.path)
+    dtype = resolve_dtype(config, "auto", device)
+    model = load_model(resolved.path, dtype, device)         # our nn.Module, eval, no grad
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolved.path)
+"""
+
+from engine.model_loader.gguf import default_cache_dir, ensure_converted
+from engine.model_loader.source import ModelSourceError, ResolvedModel, resolve_model
+from engine.model_loader.weights import iter_safetensors, load_model, resolve_dtype
+
+__all__ = [
+    "ModelSourceError",
+    "ResolvedModel",
+    "default_cache_dir",
+    "ensure_converted",
+    "iter_safetensors",
+    "load_model",
+    "resolve_dtype",
+    "resolve_model",
+]

@@ -1,0 +1,102 @@
+"""Build a model from an HF checkpoint directory: dtype choice, safetensors streaming."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16"}
+
+
+def resolve_dtype(config, dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The compute dtype for `--dtype auto|float32|bfloat16|float16`.
+
+    auto = the checkpoint's `dtype` (`torch_dtype` in older configs; float32 if
+    neither is set), except that float16 becomes bfloat16 on CPU: CPU float16
+    matmuls are slow, and bfloat16 keeps float32's range. An explicit choice
+    is honoured as given.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = _ALIASES.get(dtype, dtype)
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    # transformers v5 calls it `dtype` (and warns on reading `torch_dtype`); v4 `torch_dtype`
+    declared = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = DTYPES.get(declared.removeprefix("torch."), torch.float32)
+    if declared not in DTYPES.values():
+        declared = torch.float32
+    if declared == torch.float16 and torch.device(device).type == "cpu":
+        return torch.bfloat16
+    return declared
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those of the index if sharded, else `*.safetensors`."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (other formats "
+                                "are not supported; convert with transformers' save_pretrained)")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, read one at a time on CPU."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
+               device: torch.device | str = "cpu") -> nn.Module:
+    """Our implementation of the checkpoint in `model_dir`, weights loaded, in eval mode.
+
+    Parameters are allocated directly in `dtype` on `device` and never require
+    grad; tensors stream from disk one at a time.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(config, dtype, device)
+    model_class = get_model_class(config)
+    start = time.perf_counter()
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)
+    model.load_weights(iter_safetensors(model_dir))
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s) from %s in %.1f s", model_class.__name__, dtype,
+                torch.device(device), model_dir, time.perf_counter() - start)
+    return model

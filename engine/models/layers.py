@@ -1,0 +1,110 @@
+"""Building blocks shared by the models: norms, linears, activations, embeddings.
+
+Every parameter is allocated with `torch.empty` (no random init: the checkpoint
+fills it) in the default dtype/device the loader sets, with requires_grad off.
+Fused layers (`MergedLinear`, `FusedExperts`) take their checkpoint pieces one
+at a time through `load_shard`, so a loader can stream tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """dst.copy_(src) (casting dtype/device), after checking the shapes agree."""
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 over the last dim."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out_features, in_features] as in HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several linears over the same input, stacked along the output dim: one matmul.
+
+    output_sizes [q, k, v] -> weight rows [0, q) | [q, q+k) | [q+k, q+k+v).
+    The checkpoint's pieces arrive one at a time as shard 0, 1, 2, ...
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: int) -> None:
+        param = getattr(self, param_name)
+        rows = param.narrow(0, self.offsets[shard], self.output_sizes[shard])
+        copy_checked(rows, tensor, f"{param_name} shard {shard}")
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The outputs of each merged linear, as views of one matmul's result."""
+        return self(x).split(self.output_sizes, dim=-1)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table [vocab_size, hidden_size]; doubles as a tied lm_head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = empty_param(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class SiluAndMul(nn.Module):
+    """x [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into `gate_up_proj`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported MLP activation {hidden_act!r} (only 'silu')")
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -1,0 +1,151 @@
+"""Llama (and the decoder shared by Qwen2/Qwen3/Qwen3-MoE, which differ in flags).
+
+Layout, per token (T tokens of any number of requests, flattened):
+
+    embed_tokens -> [ input_layernorm -> self_attn -> +residual
+                      post_attention_layernorm -> mlp -> +residual ] x L
+                 -> norm -> (compute_logits) lm_head
+
+Module names mirror the HF checkpoint's, except that q/k/v live in one
+`qkv_proj` and gate/up in one `gate_up_proj` (filled shard by shard at load).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention import Attention
+from engine.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, VocabEmbedding
+from engine.models.rotary import RotaryEmbedding, apply_rotary
+from engine.models.weight_utils import load_named_weights
+
+logger = logging.getLogger(__name__)
+
+
+def head_size_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: fused qkv, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention."""
+
+    def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size_of(config)
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
+                              scale=self.head_size**-0.5)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden_states)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: DecoderAttention, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DecoderModel(nn.Module):
+    """embed -> layers -> final norm; `make_layer(i)` builds layer i."""
+
+    def __init__(self, config: Any, make_layer):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding.from_config(config, head_size_of(config))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The contract every model implements (see `engine.models`).
+
+    Subclasses choose the attention flags and the MLP of each layer through
+    `make_attention` / `make_mlp`.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+        _warn_unsupported(config)
+        self.model = DecoderModel(
+            config,
+            lambda i: DecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i)),
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_attention(self, config: Any, layer_idx: int) -> DecoderAttention:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderAttention(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size,
+                        bias=bool(getattr(config, "mlp_bias", False)),
+                        hidden_act=getattr(config, "hidden_act", "silu"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] long -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] float32."""
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from (HF checkpoint name, tensor) pairs, streamed.
+
+        Raises ValueError for a tensor the model has no place for, a shape
+        mismatch, or a parameter the checkpoint left unfilled.
+        """
+        load_named_weights(self, weights, skip_lm_head=self.tie_word_embeddings)
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama 2/3, SmolLM, and other Llama-architecture checkpoints."""
+
+
+def _warn_unsupported(config: Any) -> None:
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        logger.warning("sliding-window attention is not implemented: layers attend to the "
+                       "whole context (exact while sequences fit in the window)")

@@ -1,0 +1,88 @@
+"""Mixture of experts: a softmax top-k router over stacked expert MLPs.
+
+Tokens are grouped by expert and each expert that received any runs one
+batched gated MLP over its tokens: a loop over experts, never over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import Linear, copy_checked, empty_param
+
+
+class FusedExperts(nn.Module):
+    """E gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I].
+
+    Checkpoints store either these stacked tensors (loaded whole) or one
+    tensor per expert and projection, loaded as shard (expert, part) with part
+    0 = gate, 1 = up (gate_up_proj) and 0 (down_proj).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = empty_param(num_experts, 2 * intermediate_size, hidden_size)
+        self.down_proj = empty_param(num_experts, hidden_size, intermediate_size)
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+        expert, part = shard
+        if param_name == "gate_up_proj":
+            size = self.intermediate_size
+            dst = self.gate_up_proj[expert, part * size : (part + 1) * size]
+        else:
+            dst = self.down_proj[expert]
+        copy_checked(dst, tensor, f"expert {expert} {param_name}")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w[t, j] * expert_{ids[t, j]}(x[t]).
+
+        Worked example, T=3 tokens, k=2, E=4 experts:
+            topk_ids        = [[2, 0], [0, 3], [2, 1]]
+            flat ids        = [2, 0, 0, 3, 2, 1]        slot s belongs to token s // k
+            order (by id)   = [1, 2, 5, 0, 4, 3]        ids in that order: [0, 0, 1, 2, 2, 3]
+            counts          = [2, 1, 2, 1]              expert 0 <- slots 1, 2 = tokens 0, 1
+        """
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        flat_weights = topk_weights.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens = slots // top_k
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, tokens, expert_out * flat_weights[slots, None])
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` (a linear to E logits) -> softmax -> top-k -> experts.
+
+    With `norm_topk_prob` the k chosen probabilities are renormalised to sum to 1.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(x)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, topk_ids, topk_weights.to(x.dtype))

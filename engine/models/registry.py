@@ -1,0 +1,35 @@
+"""`config.architectures` -> the model class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config: Any) -> type[nn.Module]:
+    """The first of `config.architectures` we implement; ValueError naming ours if none."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(
+        f"unsupported model architecture {architectures or '(none in config.json)'}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
