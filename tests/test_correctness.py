@@ -9,29 +9,20 @@ that step and the comparison of that sequence stops there (vLLM's rule).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
+from tests.hf_reference import Reference, assert_greedy_matches, hf_greedy_reference
 from tests.model_fixtures import build_tiny_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 PROMPT_LENS = [5, 17, 300, 40, 120, 9, 250, 64]
 NUM_NEW_TOKENS = 32
-TOP_K_FOR_TIES = 5
-
-
-@dataclass
-class Reference:
-    token_ids: list[list[int]]
-    top5: list[list[list[int]]]  # per prompt, per step: transformers' top-5 token ids
-    logprobs: list[torch.Tensor]  # per prompt: [steps, vocab] log-softmax of raw logits
 
 
 def make_prompts(seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
+    """Random prompts of PROMPT_LENS; with a prefix, those longer than it share it."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 500, size=shared_prefix_len).tolist()
     return [prefix + rng.integers(3, 500, size=n - shared_prefix_len).tolist()
@@ -39,35 +30,13 @@ def make_prompts(seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
             for n in PROMPT_LENS]
 
 
-def hf_reference(model_dir, prompts: list[list[int]]) -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ref = Reference([], [], [])
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
-                min_new_tokens=NUM_NEW_TOKENS, output_logits=True, return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            logits = torch.cat(out.logits).float()  # [steps, vocab], before any processor
-            ref.token_ids.append(out.sequences[0, len(prompt):].tolist())
-            ref.top5.append(logits.topk(TOP_K_FOR_TIES, dim=-1).indices.tolist())
-            ref.logprobs.append(torch.log_softmax(logits, dim=-1))
-    return ref
+def hf_reference(model_dir, prompts):
+    return hf_greedy_reference(model_dir, prompts, NUM_NEW_TOKENS, ignore_eos=True)
 
 
 def assert_matches(ours: list[list[int]], ref: Reference) -> None:
-    for i, (got, want) in enumerate(zip(ours, ref.token_ids, strict=True)):
-        assert len(got) == NUM_NEW_TOKENS
-        for step, (a, b) in enumerate(zip(got, want, strict=True)):
-            if a != b:
-                assert a in ref.top5[i][step], (
-                    f"prompt {i} step {step}: ours {a}, transformers {b}, "
-                    f"top-5 {ref.top5[i][step]}"
-                )
-                break  # a near-tie flipped a token: the rest of the sequence may differ
+    assert all(len(tokens) == NUM_NEW_TOKENS for tokens in ours)
+    assert_greedy_matches(ours, ref)
 
 
 @pytest.fixture(scope="module", params=ARCHS)

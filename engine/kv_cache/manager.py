@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
-from engine.request import Request
+
+if TYPE_CHECKING:  # engine.request imports engine.kv_cache: a runtime import would cycle
+    from engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -90,16 +93,22 @@ class KVCacheManager:
         num_required_blocks = cdiv(num_tokens_after_step, self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
         # Hits on free blocks take those blocks out of the free pool as well.
-        num_hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_hits_on_free = (
+            sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        )
         if num_new_blocks + num_hits_on_free > self.block_pool.get_num_free_blocks():
             if not req_blocks:
                 del self.req_to_blocks[request.req_id]
             return None
 
-        self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        if num_new_blocks:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []  # the common decode step: its token fits in the last block
 
         if self.enable_caching:
             # Blocks that will be full after this step get their hash now: their KV is

@@ -218,6 +218,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=manager.get_block_ids(r.req_id),
                 num_computed_tokens=r.num_computed_tokens,
+                eos_token_id=r.eos_token_id,
             )
             for r in scheduled_new
         ]
@@ -256,10 +257,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted while the step ran
-            num_prompt_tokens += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens)
-                - (request.num_computed_tokens - num_tokens)
-            )
+            num_computed_before = request.num_computed_tokens - num_tokens
+            if num_computed_before < request.num_prompt_tokens:  # (part of) a prefill
+                num_prompt_tokens += (
+                    min(request.num_computed_tokens, request.num_prompt_tokens)
+                    - num_computed_before
+                )
             index = runner_output.req_id_to_index.get(req_id)
             error = runner_output.errors.get(req_id)
             if error is not None:
@@ -276,10 +279,11 @@ class Scheduler:
                 if self._check_stop(request, token_id):
                     break
             num_generation_tokens += len(new_token_ids)
-            if not new_token_ids and not request.is_finished:
-                continue  # mid-prefill: nothing to report
             logprobs = runner_output.logprobs.get(req_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            finished = request.is_finished
+            if not new_token_ids and not finished and prompt_logprobs is None:
+                continue  # mid-prefill: nothing to report
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
@@ -291,7 +295,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
-            if request.is_finished:
+            if finished:
                 self.running.remove(request)
                 self._free_request(request)
         stats = self.make_stats()
@@ -309,21 +313,26 @@ class Scheduler:
         )
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Set the finished status if `token_id` ends the request. Order as vLLM's."""
+        """Set the finished status if `token_id` ends the request.
+
+        `min_tokens` suppresses EOS and stop tokens only, never the length limits (a
+        min_tokens beyond the room left in max_model_len would otherwise never end).
+        EOS or a stop token that coincides with the length limit reports "stop".
+        """
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return False
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-        elif (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
-        return request.is_finished
+            return True
+        return False
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.take_prefix_cache_stats()
