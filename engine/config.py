@@ -26,7 +26,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256", "xxhash", "builtin"] = "sha256"
+    prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for KV; None = a share of free RAM
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory we may use
     num_gpu_blocks_override: int | None = None  # tests: force a small pool

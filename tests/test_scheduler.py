@@ -233,13 +233,39 @@ def test_seat_budget_admits_when_a_seat_frees():
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
-    scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    scheduler = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False,
+                               max_model_len=8)
     add(scheduler, "a", 6)
     add(scheduler, "b", 6)
     out, _ = step(scheduler)
     assert out.num_scheduled_tokens == {"a": 6}
     out, _ = step(scheduler)
     assert out.num_scheduled_tokens == {"a": 1, "b": 6}
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_context():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=16)
+
+
+def test_a_request_larger_than_the_whole_cache_is_rejected():
+    scheduler = make_scheduler(num_blocks=2, max_model_len=64)  # 2 blocks of BLOCK_SIZE
+    with pytest.raises(ValueError, match="whole cache holds"):
+        add(scheduler, "big", 3 * BLOCK_SIZE)
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_a_failed_step_discards_the_blocks_it_hashed():
+    scheduler = make_scheduler()
+    prompt = list(range(1000, 1000 + 3 * BLOCK_SIZE))
+    add(scheduler, "a", prompt)
+    scheduler.schedule()  # blocks of "a" are hashed at allocation, before any KV is written
+    assert scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ERROR)
+    assert not scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    add(scheduler, "b", prompt)
+    _, num_hit = scheduler.kv_cache_manager.get_computed_blocks(scheduler.requests["b"])
+    assert num_hit == 0
 
 
 # ------------------------------------------------------------------ preemption

@@ -70,6 +70,11 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the hashes of `blocks`: their KV must not serve prefix hits."""
+        for block in blocks:
+            self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A prefix-cache hit: take free blocks out of the queue and add a reference."""
         for block in blocks:

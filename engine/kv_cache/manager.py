@@ -124,9 +124,15 @@ class KVCacheManager:
                 self.num_cached_blocks[request.req_id] = num_full_blocks
         return new_blocks
 
-    def free(self, request: Request) -> None:
-        """Release every block of `request` (tail first); safe to call twice."""
+    def free(self, request: Request, discard_cached: bool = False) -> None:
+        """Release every block of `request` (tail first); safe to call twice.
+
+        `discard_cached=True` (after a failed step, whose KV may never have been
+        written) also removes the blocks' hashes so no later request can hit them.
+        """
         blocks = self.req_to_blocks.pop(request.req_id, [])
+        if discard_cached:
+            self.block_pool.uncache_blocks(blocks)
         self.num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 

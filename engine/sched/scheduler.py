@@ -28,6 +28,15 @@ from engine.sched.request_queue import make_request_queue
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        if (
+            not scheduler_config.enable_chunked_prefill
+            and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len
+        ):
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens "
+                f"({scheduler_config.max_num_batched_tokens}) must be at least max_model_len "
+                f"({scheduler_config.max_model_len}), or long prompts could never run"
+            )
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -60,6 +69,12 @@ class Scheduler:
             )
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = min(request.max_tokens or room, room)
+        num_cache_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        if request.num_prompt_tokens + request.max_tokens > num_cache_tokens:
+            raise ValueError(
+                f"the request needs up to {request.num_prompt_tokens + request.max_tokens} "
+                f"tokens of KV cache, but the whole cache holds {num_cache_tokens}"
+            )
         self.requests[request.req_id] = request
         self.waiting.add(request)
         return request
@@ -80,12 +95,12 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
+            self._free_request(request, discard_cached=status == RequestStatus.FINISHED_ERROR)
             finished.append(req_id)
         return finished
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, discard_cached: bool = False) -> None:
+        self.kv_cache_manager.free(request, discard_cached)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
         self._scheduled_times.pop(request.req_id, None)
