@@ -248,11 +248,13 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_context():
         make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False, max_model_len=16)
 
 
-def test_a_request_larger_than_the_whole_cache_is_rejected():
+def test_a_request_never_outgrows_the_whole_cache():
     scheduler = make_scheduler(num_blocks=2, max_model_len=64)  # 2 blocks of BLOCK_SIZE
-    with pytest.raises(ValueError, match="whole cache holds"):
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
         add(scheduler, "big", 3 * BLOCK_SIZE)
     assert not scheduler.has_unfinished_requests()
+    request = add(scheduler, "fits", BLOCK_SIZE, max_tokens=100)
+    assert request.max_tokens == BLOCK_SIZE  # capped: it finishes with "length" at 2 blocks
 
 
 def test_a_failed_step_discards_the_blocks_it_hashed():

@@ -144,7 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, max_num_seqs, budget, chunked, policy, rng):
         if not chunked:
-            budget = 40  # must hold any whole request, or it would wait forever
+            budget = 64  # must hold a whole context (max_model_len), or prompts could wait forever
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,

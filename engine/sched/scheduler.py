@@ -67,14 +67,17 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len "
                 f"{self.max_model_len}"
             )
-        room = self.max_model_len - request.num_prompt_tokens
-        request.max_tokens = min(request.max_tokens or room, room)
+        # A request can grow to max_model_len, and never beyond the whole KV cache
+        # (only a test-sized cache is smaller than max_model_len): past that it could
+        # only preempt itself forever.
         num_cache_tokens = self.kv_cache_manager.num_blocks * self.block_size
-        if request.num_prompt_tokens + request.max_tokens > num_cache_tokens:
+        if request.num_prompt_tokens >= num_cache_tokens:
             raise ValueError(
-                f"the request needs up to {request.num_prompt_tokens + request.max_tokens} "
-                f"tokens of KV cache, but the whole cache holds {num_cache_tokens}"
+                f"prompt of {request.num_prompt_tokens} tokens does not fit the KV cache "
+                f"({num_cache_tokens} tokens)"
             )
+        room = min(self.max_model_len, num_cache_tokens) - request.num_prompt_tokens
+        request.max_tokens = min(request.max_tokens or room, room)
         self.requests[request.req_id] = request
         self.waiting.add(request)
         return request

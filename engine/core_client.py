@@ -1,0 +1,440 @@
+"""The frontend's handle on the engine core: in-process, background thread, or process.
+
+    InprocClient       sync; `get_output()` runs one step in the caller (offline `LLM`)
+    SyncMPClient       sync; the core runs in its own process (ZMQ over ipc:// sockets)
+    AsyncMPClient      asyncio; the core runs in its own process (the server's default)
+    AsyncThreadClient  asyncio; the core's busy loop runs in a background thread (tests)
+
+Every client delivers the core's `EngineCoreOutputs` in step order. The process
+clients raise `EngineStartupError` (with the core's own message) when the core cannot
+start, and `EngineDeadError` from `get_output*` once the core process is gone.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from typing import Literal
+
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, Executor, KVCacheInfo
+from engine.core_proc import EngineCoreProc, ExecutorSpec, build_engine_core, run_engine_core
+from engine.ipc import (
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    EngineDead,
+    FrontendMessage,
+    Outputs,
+    Ready,
+    Shutdown,
+    StartupError,
+    UtilityCall,
+    UtilityResult,
+    frontend_codec,
+)
+from engine.outputs import EngineCoreOutputs
+from engine.request import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 1000
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; the message is the core's own one-liner."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped working; no request can be served any more."""
+
+
+# --------------------------------------------------------------------------- sync
+class EngineCoreClient(abc.ABC):
+    kv_cache_info: KVCacheInfo
+
+    @abc.abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abc.abstractmethod
+    def abort_requests(self, req_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks until there are some)."""
+
+    @abc.abstractmethod
+    def call_utility(self, method: str): ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """The core in the caller's thread: `get_output()` is one `step()`."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.kv_cache_info = core.kv_cache_info
+
+    @classmethod
+    def start(cls, config: EngineConfig, executor: Executor | None = None) -> InprocClient:
+        return cls(EngineCore(config, executor))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.core.abort_requests(req_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def call_utility(self, method: str):
+        return getattr(self.core, method)()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class _CoreProcess:
+    """Spawns the core process and owns the frontend's two sockets to it.
+
+    The sockets' context type (plain or asyncio) is the caller's choice.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        config: EngineConfig,
+        executor_spec: ExecutorSpec | None,
+        log_level: str,
+    ):
+        self.context = context
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        input_address = f"ipc://{self.ipc_dir}/input.sock"
+        output_address = f"ipc://{self.ipc_dir}/output.sock"
+        self.input_socket = context.socket(zmq.PUSH)
+        self.input_socket.bind(input_address)
+        self.output_socket = context.socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core,
+            args=(config, executor_spec, input_address, output_address, os.getpid(), log_level),
+            name="EngineCore",
+        )
+        self.process.start()
+        self._closed = False
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            raise EngineDeadError(
+                f"the engine core process exited unexpectedly (exit code "
+                f"{self.process.exitcode})"
+            )
+
+    @staticmethod
+    def handle_startup_message(message: CoreMessage) -> KVCacheInfo:
+        if isinstance(message, Ready):
+            return message.kv_cache_info
+        if isinstance(message, StartupError):
+            logger.debug("engine core start-up traceback:\n%s", message.traceback)
+            raise EngineStartupError(message.message)
+        raise EngineStartupError(f"unexpected first message from the engine core: {message!r}")
+
+    def startup_failed(self) -> EngineStartupError:
+        self.process.join(timeout=5)
+        return EngineStartupError(
+            f"the engine core process exited during start-up (exit code {self.process.exitcode})"
+        )
+
+    def close(self) -> None:
+        """Ask the core to stop, wait for it (terminate/kill if needed), clean up."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                # A plain (non-asyncio) send works outside a running loop too; a PUSH
+                # socket with room in its queue completes at once.
+                zmq.Socket.send(self.input_socket, frontend_codec().encode(Shutdown()),
+                                flags=zmq.NOBLOCK)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            logger.warning("engine core did not stop; terminating it")
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class SyncMPClient(EngineCoreClient):
+    """The core in its own process; blocking calls."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_spec: ExecutorSpec | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        log_level: str = "INFO",
+    ):
+        self._codec = frontend_codec()
+        self._proc = _CoreProcess(zmq.Context(), config, executor_spec, log_level)
+        self._finalizer = weakref.finalize(self, self._proc.close)
+        self._call_ids = itertools.count()
+        self._utility_results: dict[int, UtilityResult] = {}
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while not self._proc.output_socket.poll(_POLL_MS):
+                if not self._proc.process.is_alive():
+                    raise self._proc.startup_failed()
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(
+                        f"the engine core did not start within {startup_timeout_s:.0f} s")
+            message = self._codec.decode(self._proc.output_socket.recv())
+            self.kv_cache_info = self._proc.handle_startup_message(message)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _send(self, message: FrontendMessage) -> None:
+        self._proc.input_socket.send(self._codec.encode(message))
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(AddRequest(request))
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        if req_ids:
+            self._send(AbortRequests(list(req_ids)))
+
+    def _next_message(self) -> CoreMessage:
+        while not self._proc.output_socket.poll(_POLL_MS):
+            self._proc.check_alive()
+        return self._codec.decode(self._proc.output_socket.recv())
+
+    def get_output(self) -> EngineCoreOutputs:
+        while True:
+            message = self._next_message()
+            if isinstance(message, Outputs):
+                return message.outputs
+            if isinstance(message, UtilityResult):
+                self._utility_results[message.call_id] = message
+            elif isinstance(message, EngineDead):
+                raise EngineDeadError(message.message)
+
+    def call_utility(self, method: str):
+        """Call a core utility. Outputs that arrive meanwhile are lost: call it idle."""
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id, method))
+        while call_id not in self._utility_results:
+            message = self._next_message()
+            if isinstance(message, UtilityResult):
+                self._utility_results[message.call_id] = message
+            elif isinstance(message, EngineDead):
+                raise EngineDeadError(message.message)
+        return _utility_value(self._utility_results.pop(call_id))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _utility_value(result: UtilityResult):
+    if result.error is not None:
+        raise RuntimeError(result.error)
+    return result.result
+
+
+# -------------------------------------------------------------------------- async
+class AsyncEngineCoreClient(abc.ABC):
+    """The asyncio face of the core. `get_output_async` has one caller at a time."""
+
+    kv_cache_info: KVCacheInfo
+
+    def __init__(self) -> None:
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future] = {}
+
+    @abc.abstractmethod
+    async def _send(self, message: FrontendMessage) -> None: ...
+
+    @abc.abstractmethod
+    async def _next_message(self) -> CoreMessage: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send(AddRequest(request))
+
+    async def abort_requests_async(self, req_ids: list[str]) -> None:
+        if req_ids:
+            await self._send(AbortRequests(list(req_ids)))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next step's outputs; raises EngineDeadError once the core is gone."""
+        while True:
+            message = await self._next_message()
+            if isinstance(message, Outputs):
+                return message.outputs
+            if isinstance(message, UtilityResult):
+                future = self._pending_calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, EngineDead):
+                self._fail_pending_calls(message.message)
+                raise EngineDeadError(message.message)
+            else:
+                raise EngineDeadError(f"unexpected message from the engine core: {message!r}")
+
+    async def call_utility_async(self, method: str):
+        """Call a core utility; needs a task consuming `get_output_async`."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        await self._send(UtilityCall(call_id, method))
+        return _utility_value(await future)
+
+    def _fail_pending_calls(self, message: str) -> None:
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(message))
+        self._pending_calls.clear()
+
+
+class AsyncMPClient(AsyncEngineCoreClient):
+    """The core in its own (spawned) process, over ZMQ ipc:// sockets."""
+
+    def __init__(self, config: EngineConfig, executor_spec: ExecutorSpec | None, log_level: str):
+        super().__init__()
+        self._codec = frontend_codec()
+        self._proc = _CoreProcess(zmq.asyncio.Context(), config, executor_spec, log_level)
+        self._finalizer = weakref.finalize(self, self._proc.close)
+
+    @classmethod
+    async def start(
+        cls,
+        config: EngineConfig,
+        executor_spec: ExecutorSpec | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        log_level: str = "INFO",
+    ) -> AsyncMPClient:
+        """Spawn the core and wait until it is ready (or raise EngineStartupError)."""
+        client = cls(config, executor_spec, log_level)
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while not await client._proc.output_socket.poll(_POLL_MS):
+                if not client._proc.process.is_alive():
+                    raise client._proc.startup_failed()
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(
+                        f"the engine core did not start within {startup_timeout_s:.0f} s")
+            message = client._codec.decode(await client._proc.output_socket.recv())
+            client.kv_cache_info = client._proc.handle_startup_message(message)
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.process.pid
+
+    async def _send(self, message: FrontendMessage) -> None:
+        await self._proc.input_socket.send(self._codec.encode(message))
+
+    async def _next_message(self) -> CoreMessage:
+        while not await self._proc.output_socket.poll(_POLL_MS):
+            self._proc.check_alive()
+        return self._codec.decode(await self._proc.output_socket.recv())
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class AsyncThreadClient(AsyncEngineCoreClient):
+    """The core's busy loop in a daemon thread of this process (no IPC, no codec)."""
+
+    def __init__(self, core: EngineCore, loop: asyncio.AbstractEventLoop):
+        super().__init__()
+        self.kv_cache_info = core.kv_cache_info
+        self._outputs: asyncio.Queue[CoreMessage] = asyncio.Queue()
+
+        def send(message: CoreMessage) -> None:
+            loop.call_soon_threadsafe(self._outputs.put_nowait, message)
+
+        self._proc = EngineCoreProc(core, send)
+        self._thread = threading.Thread(target=self._run, args=(send,), daemon=True,
+                                        name="engine-core")
+        self._thread.start()
+
+    @classmethod
+    async def start(
+        cls,
+        config: EngineConfig,
+        executor_spec: ExecutorSpec | None = None,
+        executor: Executor | None = None,
+    ) -> AsyncThreadClient:
+        if executor is not None:
+            core = await asyncio.to_thread(EngineCore, config, executor)
+        else:
+            try:
+                core = await asyncio.to_thread(build_engine_core, config, executor_spec)
+            except Exception as exc:
+                raise EngineStartupError(f"{type(exc).__name__}: {exc}") from exc
+        return cls(core, asyncio.get_running_loop())
+
+    def _run(self, send) -> None:
+        try:
+            self._proc.run_busy_loop()
+        except BaseException as exc:  # noqa: BLE001
+            logger.exception("engine core thread died")
+            send(EngineDead(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._proc.core.shutdown()
+
+    async def _send(self, message: FrontendMessage) -> None:
+        self._proc.input_queue.put(message)
+
+    async def _next_message(self) -> CoreMessage:
+        return await self._outputs.get()
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._proc.input_queue.put(Shutdown())
+            self._thread.join(timeout=10)
+
+
+async def start_async_client(
+    config: EngineConfig,
+    executor_spec: ExecutorSpec | None = None,
+    mode: Literal["process", "thread"] = "process",
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    log_level: str = "INFO",
+) -> AsyncEngineCoreClient:
+    """Start the engine core the way the server runs it ("process") or in a thread."""
+    if mode == "process":
+        return await AsyncMPClient.start(config, executor_spec, startup_timeout_s, log_level)
+    return await AsyncThreadClient.start(config, executor_spec)

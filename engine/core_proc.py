@@ -1,0 +1,250 @@
+"""EngineCore in its own process (or a background thread): the busy loop.
+
+    frontend                      core process
+    --------                      ------------
+    PUSH input.sock  ──────────▶  input thread: decode ─▶ input_queue
+                                  main thread:  busy loop
+                                     idle?  block on input_queue
+                                     else   drain input_queue, step(), queue outputs
+    PULL output.sock ◀──────────  output thread: output_queue ─▶ encode ─▶ send
+
+The model step runs in the main thread; decoding and encoding happen in the two
+I/O threads (zmq releases the GIL while it waits), so the frontend's Python never
+delays a step and a step never delays the frontend. The process exits when the
+frontend sends Shutdown, when its parent process is gone, or after sending EngineDead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, Executor
+from engine.ipc import (
+    UTILITY_METHODS,
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    EngineDead,
+    FrontendMessage,
+    Outputs,
+    Ready,
+    Shutdown,
+    StartupError,
+    UtilityCall,
+    UtilityResult,
+    core_codec,
+)
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+_EMPTY_STEP_WAIT_S = 0.005
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """How to build an executor inside the core process without pickling one.
+
+    `factory` is "package.module:callable"; it is called as `factory(config, **kwargs)`.
+    Tests use this to run a fake executor behind the real process machinery.
+    """
+
+    factory: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, config: EngineConfig) -> Executor:
+        module_name, _, attr = self.factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        return factory(config, **self.kwargs)
+
+
+def build_engine_core(config: EngineConfig, executor_spec: ExecutorSpec | None) -> EngineCore:
+    executor = executor_spec.build(config) if executor_spec is not None else None
+    return EngineCore(config, executor)
+
+
+class EngineCoreProc:
+    """Runs an EngineCore from an input queue; hands every message out via `send`.
+
+    `send` is called from the loop's thread; it must not block for long.
+    """
+
+    def __init__(self, core: EngineCore, send: Callable[[CoreMessage], None]):
+        self.core = core
+        self.input_queue: queue.Queue[FrontendMessage] = queue.Queue()
+        self._send = send
+        self._running = True
+
+    def run_busy_loop(self) -> None:
+        """Loop until Shutdown. Raises if a step fails beyond one request's error."""
+        idle_reported = True
+        while self._running:
+            if not self.core.has_unfinished_requests():
+                if not idle_reported:
+                    # Going idle (e.g. the last request was aborted, which makes no
+                    # output): send fresh stats so gauges do not keep stale values.
+                    # (Not via step(): an empty schedule would drop finished ids the
+                    # runner has yet to hear about.)
+                    stats = self.core.scheduler.make_stats()
+                    self._send(Outputs(EngineCoreOutputs(scheduler_stats=stats,
+                                                         timestamp=time.time())))
+                    idle_reported = True
+                self._handle(self.input_queue.get())  # idle: sleep on the queue
+            self._drain_input()
+            if self._running and self.core.has_unfinished_requests():
+                idle_reported = False
+                self._step()
+
+    def _drain_input(self) -> None:
+        while self._running:
+            try:
+                message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
+    def _step(self) -> None:
+        steps_before = self.core.num_steps
+        outputs = self.core.step()
+        if outputs.outputs or self.core.num_steps != steps_before:
+            self._send(Outputs(outputs))
+            return
+        # Work exists but nothing could be scheduled: wait a little for input instead
+        # of spinning (e.g. everything waiting on KV blocks held by aborted requests).
+        try:
+            self._handle(self.input_queue.get(timeout=_EMPTY_STEP_WAIT_S))
+        except queue.Empty:
+            pass
+
+    def _handle(self, message: FrontendMessage) -> None:
+        if isinstance(message, AddRequest):
+            request = message.request
+            try:
+                self.core.add_request(request)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                logger.warning("rejected request %s: %s", request.req_id, exc)
+                failed = EngineCoreOutput(request.req_id, [], "error", error=str(exc))
+                self._send(Outputs(EngineCoreOutputs(outputs=[failed], timestamp=time.time())))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.req_ids)
+        elif isinstance(message, UtilityCall):
+            self._send(self._call_utility(message))
+        elif isinstance(message, Shutdown):
+            self._running = False
+        else:  # pragma: no cover - the codec only decodes the union above
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in UTILITY_METHODS:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=getattr(self.core, call.method)())
+        except Exception as exc:  # noqa: BLE001
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit hard when the frontend process is gone (we were re-parented)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(_PARENT_POLL_S)
+
+
+def run_engine_core(
+    config: EngineConfig,
+    executor_spec: ExecutorSpec | None,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    log_level: str = "INFO",
+) -> None:
+    """Entry point of the core process (start method: spawn).
+
+    Sends Ready or StartupError first, then Outputs per step. Exit code 0 after
+    Shutdown, 1 after a start-up failure or a fatal error (EngineDead is sent first).
+    """
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s",
+    )
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="parent-watch").start()
+
+    context = zmq.Context()
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    codec = core_codec()
+
+    try:
+        core = build_engine_core(config, executor_spec)
+    except BaseException as exc:  # noqa: BLE001 - report every start-up failure
+        logger.error("engine core failed to start: %s", exc)
+        message = f"{type(exc).__name__}: {exc}"
+        output_socket.send(codec.encode(StartupError(message, traceback.format_exc())))
+        input_socket.close(linger=0)
+        output_socket.close(linger=5000)
+        context.term()  # returns once StartupError is delivered (or the linger ran out)
+        os._exit(1)
+
+    output_queue: queue.Queue[CoreMessage | None] = queue.Queue()
+    proc = EngineCoreProc(core, output_queue.put)
+
+    def send_outputs() -> None:
+        out_codec = core_codec()
+        while (message := output_queue.get()) is not None:
+            output_socket.send(out_codec.encode(message), copy=False)
+
+    def receive_inputs() -> None:
+        in_codec = core_codec()
+        while True:
+            try:
+                data = input_socket.recv(copy=False)
+            except zmq.ContextTerminated:
+                input_socket.close(linger=0)
+                return
+            proc.input_queue.put(in_codec.decode(data.buffer))
+
+    output_thread = threading.Thread(target=send_outputs, daemon=True, name="core-output")
+    output_thread.start()
+    threading.Thread(target=receive_inputs, daemon=True, name="core-input").start()
+    output_queue.put(Ready(core.kv_cache_info, os.getpid()))
+    logger.info("engine core ready: %s", core.kv_cache_info)
+
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except BaseException as exc:  # noqa: BLE001 - tell the frontend before dying
+        logger.exception("engine core died")
+        output_queue.put(EngineDead(f"{type(exc).__name__}: {exc}"))
+        exit_code = 1
+    output_queue.put(None)
+    output_thread.join(timeout=5)
+    try:
+        core.shutdown()
+    except Exception:  # noqa: BLE001
+        logger.exception("executor shutdown failed")
+    output_socket.close(linger=2000)
+    context.term()  # unblocks the input thread, which closes its socket; flushes output
+    os._exit(exit_code)
+
+
+# Re-exported so callers can build messages without importing engine.ipc.
+__all__ = ["EngineCoreProc", "ExecutorSpec", "Shutdown", "build_engine_core", "run_engine_core"]
