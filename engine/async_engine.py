@@ -212,7 +212,7 @@ class AsyncEngine:
                 if output.finished:
                     return
         finally:
-            if not state.finished or req_id in self._requests:
+            if not state.finished:  # the consumer left early (closed, cancelled, raised)
                 self._abort_state(state)
 
     async def abort(self, req_id: str) -> None:
@@ -256,8 +256,12 @@ class AsyncEngine:
         self._requests[req_id] = state
         for seq in state.sequences:
             self._sequences[seq.core_req_id] = (state, seq)
-        for core_request in core_requests:
-            await self.client.add_request_async(core_request)
+        try:
+            for core_request in core_requests:
+                await self.client.add_request_async(core_request)
+        except BaseException:
+            self._abort_state(state)
+            raise
         return state
 
     def _abort_state(self, state: _RequestState) -> None:

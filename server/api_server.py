@@ -1,0 +1,168 @@
+"""Start-up and shutdown of one server: socket, tokenizer, engine, app, uvicorn.
+
+    APIServer.start():  bind the socket (fail fast if the port is taken), load the
+                        tokenizer, start the engine core (its own process), build the app
+    APIServer.serve():  run uvicorn on the bound socket until asked to stop, then shut
+                        the engine down
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S
+from engine.core_proc import ExecutorSpec
+from server.app import build_app
+from server.metrics import ServerMetrics
+from server.state import ServerState
+
+logger = logging.getLogger("pagedserve")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (see APIServer.url)
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    log_level: str = "info"
+    engine_mode: Literal["process", "thread"] = "process"
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    graceful_shutdown_s: float = 5.0
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer: Any
+    eos_token_id: int | None
+    extra_stop_token_ids: list[int]
+
+
+def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
+    """The model's tokenizer and end-of-sequence ids (generation_config wins).
+
+    A generation_config may list several EOS ids: the first is the engine's EOS, the
+    others stop a request like stop_token_ids do.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    eos_ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(str(model_dir))
+        value = generation.eos_token_id
+        eos_ids = [value] if isinstance(value, int) else list(value or [])
+    except Exception:  # noqa: BLE001 - no generation_config.json is fine
+        pass
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.insert(0, tokenizer.eos_token_id)
+    eos = eos_ids[0] if eos_ids else None
+    return TokenizerInfo(tokenizer, eos, eos_ids[1:])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class APIServer:
+    def __init__(
+        self,
+        options: ServeOptions,
+        engine_config: EngineConfig,
+        model_dir: str | Path,
+        served_model_names: list[str],
+        executor_spec: ExecutorSpec | None = None,
+    ):
+        self.options = options
+        self.engine_config = engine_config
+        self.model_dir = str(model_dir)
+        self.served_model_names = served_model_names
+        self.executor_spec = executor_spec
+        self.state: ServerState | None = None
+        self.socket: socket.socket | None = None
+        self._uvicorn: uvicorn.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.socket is not None, "start() first"
+        host, port = self.socket.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        """Bind, load, start the engine. Raises OSError / EngineStartupError."""
+        options = self.options
+        self.socket = bind_socket(options.host, options.port)
+        try:
+            info = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            metrics = ServerMetrics(self.served_model_names[0])
+            engine = await AsyncEngine.start(
+                self.engine_config, info.tokenizer, eos_token_id=info.eos_token_id,
+                observer=metrics, executor_spec=self.executor_spec, mode=options.engine_mode,
+                startup_timeout_s=options.startup_timeout_s, log_level=options.log_level,
+            )
+        except BaseException:
+            self.socket.close()
+            raise
+        self.state = ServerState(
+            engine=engine, tokenizer=info.tokenizer, served_model_names=self.served_model_names,
+            model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
+            scheduling_policy=self.engine_config.scheduler_config.policy,
+            extra_stop_token_ids=info.extra_stop_token_ids,
+        )
+        app = build_app(self.state, options.allowed_origins)
+        host, port = self.socket.getsockname()[:2]
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False,
+            log_level=options.log_level.lower(), lifespan="off",
+            timeout_graceful_shutdown=options.graceful_shutdown_s,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        kv = engine.kv_cache_info
+        logger.info(
+            "serving %s (%s) at %s; max_model_len=%d, KV cache %d blocks x %d tokens",
+            ", ".join(self.served_model_names), self.model_dir, self.url, kv.max_model_len,
+            kv.num_blocks, kv.block_size)
+
+    async def serve(self) -> None:
+        """Serve until `request_stop()` (or SIGINT/SIGTERM in the main thread)."""
+        assert self._uvicorn is not None and self.state is not None, "start() first"
+        try:
+            await self._uvicorn.serve(sockets=[self.socket])
+        finally:
+            await self.state.engine.shutdown()
+            self.socket.close()
+            logger.info("server stopped")
+
+    async def run(self) -> None:
+        await self.start()
+        await self.serve()
+
+    def request_stop(self) -> None:
+        """Ask uvicorn to finish; safe from any thread."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    @property
+    def started(self) -> bool:
+        return self._uvicorn is not None and self._uvicorn.started

@@ -1,0 +1,200 @@
+"""The FastAPI application: routes, API-key check, CORS, access log, OpenAPI schema.
+
+Inference routes (/v1/*, /tokenize, /detokenize) need the API key when one is set;
+/health, /metrics and /version stay open.
+"""
+
+from __future__ import annotations
+
+import hmac
+from importlib import metadata
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from server.access_log import AccessLogMiddleware
+from server.errors import ERROR_RESPONSES, APIError, from_exception, install_error_handlers
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from server.serving_chat import create_chat_completion
+from server.serving_common import ClientDisconnected, apply_chat_template, check_model
+from server.serving_completions import create_completion
+from server.state import ServerState
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def _stream_doc(model: type, what: str) -> dict:
+    return {
+        200: {
+            "description": (
+                f"The {what}. With `stream: true`: `text/event-stream`, one "
+                f"`data: <{model.__name__}>` line per chunk, then `data: [DONE]`."),
+            "content": {"text/event-stream": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        },
+        **ERROR_RESPONSES,
+    }
+
+
+def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(
+        title="pagedserve",
+        version=package_version(),
+        description="OpenAI-compatible LLM inference server (paged KV cache, continuous batching).",
+    )
+    app.state.server = state
+    install_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
+                           allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AccessLogMiddleware)
+
+    bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <api key>`")
+
+    async def require_api_key(
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    ) -> None:
+        if state.api_key is None:
+            return
+        if credentials is None or not hmac.compare_digest(
+                credentials.credentials.encode(), state.api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    auth = [Depends(require_api_key)]
+
+    # ------------------------------------------------------------------ open routes
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        """200 while the engine can serve; 503 (with the reason) once it cannot."""
+        if not state.engine.is_running:
+            return APIError(503, f"The engine is not running: {state.engine.dead_error}",
+                            code="engine_dead").to_response()
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=package_version())
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}})
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    # ------------------------------------------------------------- inference routes
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth,
+             responses={401: ERROR_RESPONSES[401]})
+    async def list_models() -> ModelList:
+        return ModelList(data=[
+            ModelCard(id=name, created=state.created, root=state.model_root,
+                      max_model_len=state.max_model_len)
+            for name in state.served_model_names
+        ])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
+              responses=_stream_doc(CompletionStreamResponse, "completion"))
+    async def completions(body: CompletionRequest, raw_request: Request):
+        try:
+            return await create_completion(state, body, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise from_exception(exc) from exc
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              dependencies=auth, responses=_stream_doc(ChatCompletionStreamResponse,
+                                                       "chat completion"))
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
+        try:
+            return await create_chat_completion(state, body, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            raise from_exception(exc) from exc
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth,
+              responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of `prompt`, or of `messages` rendered with the chat template."""
+        check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Give exactly one of 'prompt' and 'messages'.", "prompt",
+                           "invalid_value")
+        if body.messages is not None:
+            _, tokens = apply_chat_template(state, body.messages, body.add_generation_prompt)
+        else:
+            tokens = list(state.tokenizer(body.prompt,
+                                          add_special_tokens=body.add_special_tokens).input_ids)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.max_model_len,
+                                tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth,
+              responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(state, body.model)
+        vocab_size = state.engine.vocab_size
+        for token_id in body.tokens:
+            if not 0 <= token_id < vocab_size:
+                raise APIError(400, f"Token id {token_id} is out of vocabulary (valid ids are "
+                                    f"0..{vocab_size - 1}).", "tokens", "invalid_value")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+    _install_openapi(app)
+    return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Add the SSE chunk models (not return types of any route) to the schema."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionStreamResponse, ChatCompletionStreamResponse):
+                model_schema = model.model_json_schema(
+                    ref_template="#/components/schemas/{model}")
+                for name, definition in model_schema.pop("$defs", {}).items():
+                    components.setdefault(name, definition)
+                components[model.__name__] = model_schema
+            # FastAPI documents 422 for validation errors; this server answers 400.
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None and "400" not in responses:
+                        responses["400"] = {
+                            "description": "Invalid request",
+                            "content": {"application/json": {"schema": {
+                                "$ref": "#/components/schemas/ErrorResponse"}}},
+                        }
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

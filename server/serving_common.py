@@ -1,0 +1,248 @@
+"""Helpers shared by the completion and chat handlers: model check, prompt handling,
+sampling parameters, SSE framing, stream merging, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from engine.input_checks import check_prompt
+from engine.request_output import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request, from_exception
+from server.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
+from server.state import ServerState
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+
+
+def sse(data_json: str) -> str:
+    return f"data: {data_json}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error as one SSE data line (the stream then ends with [DONE])."""
+    return sse(from_exception(exc).to_json())
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def check_common(state: ServerState, body: SamplingFields, unsupported: tuple[str, str] | None):
+    check_model(state, body.model)
+    if unsupported is not None:
+        param, message = unsupported
+        raise bad_request(message, param, "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true.",
+                          "stream_options", "invalid_value")
+    if body.priority != 0 and state.scheduling_policy != "priority":
+        raise bad_request("priority is only honoured when the server runs with "
+                          "--scheduling-policy priority.", "priority", "unsupported_parameter")
+
+
+def build_sampling_params(
+    state: ServerState,
+    body: SamplingFields,
+    *,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams; a bad value is a 400 naming its field."""
+    logit_bias = None
+    if body.logit_bias:
+        logit_bias = {}
+        for key, bias in body.logit_bias.items():
+            try:
+                logit_bias[int(key)] = float(bias)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}.",
+                                  "logit_bias", "invalid_value") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_token_ids = list(body.stop_token_ids or [])
+    if not body.ignore_eos:  # the model's other end-of-sequence ids act like EOS
+        for token_id in state.extra_stop_token_ids:
+            if token_id not in stop_token_ids:
+                stop_token_ids.append(token_id)
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except Exception as exc:  # SamplingParamsError -> 400 naming the field
+        if body.max_completion_tokens is not None and getattr(exc, "param", "") == "max_tokens":
+            exc.param = "max_completion_tokens"
+        raise from_exception(exc) from exc
+
+
+def check_prompts(state: ServerState, prompts: Sequence[list[int]], params: SamplingParams,
+                  body: SamplingFields, prompt_param: str = "prompt") -> None:
+    """Validate every prompt before anything starts (a batch fails as a whole).
+
+    Errors name the request's own fields (`prompt_param`; max_completion_tokens
+    when the request used it).
+    """
+    engine = state.engine
+    for prompt_token_ids in prompts:
+        try:
+            check_prompt(prompt_token_ids, params, engine.max_model_len, engine.vocab_size)
+        except Exception as exc:
+            error = from_exception(exc)
+            if error.param == "prompt":
+                error.param = prompt_param
+            elif error.param == "max_tokens" and body.max_completion_tokens is not None:
+                error.param = "max_completion_tokens"
+            raise error from exc
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text or "" for part in message.content)
+
+
+def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
+                        add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """Render the messages with the model's chat template; returns (text, token ids)."""
+    tokenizer = state.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+    conversation = []
+    for message in messages:
+        turn = {"role": message.role, "content": message_text(message)}
+        if message.name:
+            turn["name"] = message.name  # for templates that use it
+        conversation.append(turn)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # a template may raise on e.g. roles it does not accept
+        raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
+    # The template already wrote any BOS it wants.
+    return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def make_usage(outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+    prompt_tokens = sum(o.num_prompt_tokens for o in outputs if o is not None)
+    completion_tokens = sum(o.num_generation_tokens for o in outputs if o is not None)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def record_usage(raw_request: Request, usage: UsageInfo) -> None:
+    """Tell the access log how many tokens this request used."""
+    raw_request.state.usage = usage
+
+
+def record_user(raw_request: Request, body: SamplingFields) -> None:
+    """Tell the access log the request's `user` (the only thing `user` is used for)."""
+    if body.user:
+        raw_request.state.user = body.user
+
+
+async def merge_streams(
+    iterators: Sequence[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as (iterator index, item), as items arrive.
+
+    Closing the merged iterator (or an error in one of them) cancels all of them,
+    which aborts their requests.
+    """
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def drain(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item, None, False))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((index, None, exc, True))
+            return
+        await queue.put((index, None, None, True))
+
+    tasks = [asyncio.ensure_future(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error, done = await queue.get()
+            if error is not None:
+                raise error
+            if done:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def run_until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
+    handler = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)  # let its aborts run
+    if handler.cancelled():
+        raise ClientDisconnected()
+    return handler.result()

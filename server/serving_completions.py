@@ -1,0 +1,227 @@
+"""POST /v1/completions: prompts (text or token ids, single or batched) in, text out.
+
+Choice indices: prompt p's i-th sample is choice `p * n + i`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine.request_output import CompletionOutput, RequestOutput, SampleLogprob
+from server.errors import bad_request
+from server.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
+from server.serving_common import (
+    LOGPROB_FLOOR,
+    SSE_DONE,
+    build_sampling_params,
+    check_common,
+    check_prompts,
+    make_usage,
+    merge_streams,
+    new_request_id,
+    record_usage,
+    record_user,
+    run_until_disconnect,
+    sse,
+    sse_error,
+)
+from server.state import ServerState
+
+
+def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) for each prompt of the request."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", "prompt", "invalid_value")
+    tokenizer = state.tokenizer
+    result = []
+    for item in prompt:
+        if isinstance(item, str):
+            result.append((item, list(tokenizer(item).input_ids)))
+        else:
+            result.append((None, list(item)))
+    return result
+
+
+class _LogprobFormatter:
+    """Builds OpenAI completion logprobs; tracks each choice's running text offset."""
+
+    def __init__(self, state: ServerState, num_top: int):
+        self.state = state
+        self.num_top = num_top
+
+    def format(self, logprobs: Sequence[SampleLogprob | None], token_ids: Sequence[int],
+               offset: int) -> tuple[CompletionLogProbs, int]:
+        result = CompletionLogProbs()
+        token_text = self.state.engine.token_text
+        for token_id, entry in zip(token_ids, logprobs, strict=False):
+            token = entry.token if entry is not None else token_text(token_id)
+            result.text_offset.append(offset)
+            result.tokens.append(token)
+            offset += len(token)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(max(entry.logprob, LOGPROB_FLOOR))
+            top = {t.token: max(t.logprob, LOGPROB_FLOOR) for t in entry.top[:self.num_top]}
+            top.setdefault(entry.token, max(entry.logprob, LOGPROB_FLOOR))
+            result.top_logprobs.append(top)
+        return result, offset
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request):
+    check_common(state, body, body.unsupported_field())
+    record_user(raw_request, body)
+    prompts = _prompts(state, body.prompt)
+    want_logprobs = body.logprobs is not None
+    params = build_sampling_params(
+        state, body, logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None)
+    check_prompts(state, [ids for _, ids in prompts], params, body)
+
+    request_id = new_request_id("cmpl")
+    created = int(time.time())
+    engine = state.engine
+    streams = [
+        engine.generate(ids, params, f"{request_id}-{p}", prompt_text=text,
+                        priority=body.priority, cache_salt=body.cache_salt)
+        for p, (text, ids) in enumerate(prompts)
+    ]
+    formatter = _LogprobFormatter(state, body.logprobs or 0) if want_logprobs else None
+    echo_texts = [
+        (text if text is not None else state.tokenizer.decode(ids)) if body.echo else ""
+        for text, ids in prompts
+    ]
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, body, raw_request, request_id, created, prompts, streams, formatter,
+                    echo_texts),
+            media_type="text/event-stream",
+        )
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for p, output in merge_streams(streams):
+            finals[p] = output
+        return finals  # type: ignore[return-value]
+
+    finals = await run_until_disconnect(raw_request, collect())
+    choices = []
+    for p, final in enumerate(finals):
+        for output in final.outputs:
+            text, logprobs = output.text, None
+            if formatter is not None:
+                logprobs = _choice_logprobs(formatter, final, output, body.echo, echo_texts[p])
+            choices.append(CompletionChoice(
+                index=p * body.n + output.index,
+                text=echo_texts[p] + text,
+                logprobs=logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            ))
+    usage = make_usage(finals)
+    record_usage(raw_request, usage)
+    return CompletionResponse(id=request_id, created=created, model=state.model_name,
+                              choices=choices, usage=usage)
+
+
+def _choice_logprobs(formatter: _LogprobFormatter, final: RequestOutput,
+                     output: CompletionOutput, echo: bool, echo_text: str) -> CompletionLogProbs:
+    offset = 0
+    merged = CompletionLogProbs()
+    if echo:
+        prompt_logprobs = final.prompt_logprobs or [None] * final.num_prompt_tokens
+        merged, offset = formatter.format(prompt_logprobs, final.prompt_token_ids, 0)
+        offset = len(echo_text)
+    part, _ = formatter.format(output.logprobs or [], output.token_ids, offset)
+    merged.text_offset += part.text_offset
+    merged.tokens += part.tokens
+    merged.token_logprobs += part.token_logprobs
+    merged.top_logprobs += part.top_logprobs
+    return merged
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    raw_request: Request,
+    request_id: str,
+    created: int,
+    prompts: list[tuple[str | None, list[int]]],
+    streams: list[AsyncIterator[RequestOutput]],
+    formatter: _LogprobFormatter | None,
+    echo_texts: list[str],
+) -> AsyncIterator[str]:
+    n = body.n
+    num_choices = len(prompts) * n
+    finish_sent = [False] * num_choices
+    echo_pending = [body.echo] * num_choices
+    offsets = [0] * num_choices
+    finals: list[RequestOutput | None] = [None] * len(prompts)
+
+    def chunk(choice: CompletionStreamChoice) -> str:
+        return sse(CompletionStreamResponse(
+            id=request_id, created=created, model=state.model_name, choices=[choice],
+        ).model_dump_json())
+
+    try:
+        async for p, request_output in merge_streams(streams):
+            finals[p] = request_output
+            for output in request_output.outputs:
+                index = p * n + output.index
+                if finish_sent[index]:
+                    continue
+                text = output.delta_text
+                logprobs = None
+                if formatter is not None:
+                    logprobs = CompletionLogProbs()
+                if echo_pending[index]:
+                    echo_pending[index] = False
+                    text = echo_texts[p] + text
+                    if formatter is not None:
+                        prompt_logprobs = (request_output.prompt_logprobs
+                                           or [None] * request_output.num_prompt_tokens)
+                        logprobs, _ = formatter.format(
+                            prompt_logprobs, request_output.prompt_token_ids, 0)
+                        offsets[index] = len(echo_texts[p])
+                if formatter is not None and output.delta_logprobs:
+                    part, offsets[index] = formatter.format(
+                        output.delta_logprobs, output.delta_token_ids, offsets[index])
+                    logprobs.text_offset += part.text_offset
+                    logprobs.tokens += part.tokens
+                    logprobs.token_logprobs += part.token_logprobs
+                    logprobs.top_logprobs += part.top_logprobs
+                finished = output.finished
+                if not text and not finished and not (logprobs and logprobs.tokens):
+                    continue
+                finish_sent[index] = finished
+                yield chunk(CompletionStreamChoice(
+                    index=index, text=text, logprobs=logprobs,
+                    finish_reason=output.finish_reason if finished else None,
+                    stop_reason=output.stop_reason if finished else None,
+                ))
+        usage = make_usage(finals)
+        record_usage(raw_request, usage)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse(CompletionStreamResponse(
+                id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
+            ).model_dump_json())
+    except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
+        raw_request.state.stream_error = True
+        yield sse_error(exc)
+    yield SSE_DONE

@@ -1,0 +1,33 @@
+"""What the HTTP handlers share: the engine, the tokenizer, and the served model's facts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    model_root: str  # the local model directory
+    metrics: ServerMetrics
+    api_key: str | None = None
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` field orders them
+    # Extra end-of-sequence ids (e.g. from generation_config) added to every request.
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry."""
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
