@@ -88,10 +88,10 @@ class EngineCore:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            outputs = EngineCoreOutputs(
-                scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
-            )
-            return outputs
+            if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+                # Nothing to compute, but the runner must still forget finished requests.
+                self.executor.execute_model(scheduler_output)
+            return self.idle_outputs()
         self.num_steps += 1
         try:
             self._fault_injector.check(self.num_steps)
@@ -103,6 +103,10 @@ class EngineCore:
         if outputs.scheduler_stats is not None:
             outputs.scheduler_stats.step_duration_s = time.perf_counter() - started
         return outputs
+
+    def idle_outputs(self) -> EngineCoreOutputs:
+        """No outputs, just the current stats (for an idle engine's heartbeat)."""
+        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
 
     def _fail_step(self, scheduler_output: SchedulerOutput, message: str) -> EngineCoreOutputs:
         req_ids = list(scheduler_output.num_scheduled_tokens)

@@ -94,12 +94,9 @@ class EngineCoreProc:
             if not self.core.has_unfinished_requests():
                 if not idle_reported:
                     # Going idle (e.g. the last request was aborted, which makes no
-                    # output): send fresh stats so gauges do not keep stale values.
-                    # (Not via step(): an empty schedule would drop finished ids the
-                    # runner has yet to hear about.)
-                    stats = self.core.scheduler.make_stats()
-                    self._send(Outputs(EngineCoreOutputs(scheduler_stats=stats,
-                                                         timestamp=time.time())))
+                    # output): an empty step tells the runner which requests finished
+                    # and sends fresh stats, so gauges do not keep stale values.
+                    self._send(Outputs(self.core.step()))
                     idle_reported = True
                 self._handle(self.input_queue.get())  # idle: sleep on the queue
             self._drain_input()
