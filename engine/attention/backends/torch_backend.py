@@ -39,11 +39,13 @@ def gather_context(
 
     block_ids [B, nb] -> K, V [B, nb * block_size (trimmed to seq_len_max), Hkv, D]
     """
-    block_size = kv_cache.shape[2]
+    num_reqs = block_ids.shape[0]
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     num_blocks_needed = -(-seq_len_max // block_size)
-    ids = block_ids[:, :num_blocks_needed]
-    keys = kv_cache[0][ids].flatten(1, 2)[:, :seq_len_max]
-    values = kv_cache[1][ids].flatten(1, 2)[:, :seq_len_max]
+    ids = block_ids[:, :num_blocks_needed].reshape(-1)
+    shape = (num_reqs, num_blocks_needed * block_size, num_kv_heads, head_size)
+    keys = kv_cache[0].index_select(0, ids).view(shape)[:, :seq_len_max]
+    values = kv_cache[1].index_select(0, ids).view(shape)[:, :seq_len_max]
     return keys, values
 
 
