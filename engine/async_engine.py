@@ -9,6 +9,13 @@ Each request's consumer collects everything that arrived since it last looked, s
 slow consumer gets bigger deltas rather than falling behind. Detokenization runs in
 this process, never in the core. A request with `n > 1` becomes n core requests
 `"{req_id}-{i}"` whose seeds derive from the request's seed (`derive_seed`).
+
+`add_request()` queues a request at once and returns its `RequestStream`; `generate()`
+is the same as one async generator. Leaving a stream early (aclose, an exception, a
+cancelled consumer) aborts every sequence of its request in the core, which frees
+their KV blocks in its next loop turn. `num_queued_sequences` counts the sequences the
+core has not scheduled yet (admission control reads it); `check_health()` pings the
+core's busy loop.
 """
 
 from __future__ import annotations
@@ -47,10 +54,26 @@ logger = logging.getLogger(__name__)
 # writes interleave with a big batch's detokenization.
 _OUTPUT_CHUNK = 128
 _SEED_MASK = (1 << 63) - 1
+# check_health(): how long the core's loop may take to answer a Ping (it answers
+# between two steps), and, when it does not answer in time, for how long a core that
+# is busy (a step's outputs arrived, or it was just given work) still counts as alive.
+HEALTH_PING_TIMEOUT_S = 0.05
+HEALTH_STEP_TIMEOUT_S = 60.0
 
 
 class EngineRequestError(RuntimeError):
-    """The engine failed this request (e.g. its model step raised)."""
+    """The engine failed this request (e.g. its model step raised).
+
+    `engine_dead`: the request failed because the whole engine died under it.
+    """
+
+    def __init__(self, message: str, *, engine_dead: bool = False):
+        super().__init__(message)
+        self.engine_dead = engine_dead
+
+
+class EngineUnresponsiveError(RuntimeError):
+    """The engine core neither answered a ping nor made progress for too long."""
 
 
 class EngineObserver(Protocol):
@@ -116,11 +139,63 @@ class _RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.error: str | None = None
+        self.engine_dead = False  # `error` is the dead engine's (not this request's own)
         self.changed = asyncio.Event()
 
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.sequences)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (the last one has `finished`).
+
+    Raises EngineRequestError if the engine fails the request (with `engine_dead` set
+    when the engine died meanwhile). `aclose()`, or leaving `__anext__` by an exception or a
+    cancellation, aborts the request if it is still unfinished.
+    """
+
+    def __init__(self, engine: AsyncEngine, state: _RequestState):
+        self._engine = engine
+        self._state = state
+        self._done = False
+
+    @property
+    def req_id(self) -> str:
+        return self._state.req_id
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        state = self._state
+        try:
+            await state.changed.wait()
+        except BaseException:
+            self._close()
+            raise
+        state.changed.clear()
+        if state.error is not None:
+            self._done = True
+            raise EngineRequestError(state.error, engine_dead=state.engine_dead)
+        output = self._engine._make_output(state)
+        if output.finished:
+            self._done = True
+        return output
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self._done = True
+        if not self._state.finished:
+            self._engine._abort_state(self._state)
 
 
 class AsyncEngine:
@@ -148,6 +223,10 @@ class AsyncEngine:
         self.token_text = TokenTextCache(tokenizer)
         self._requests: dict[str, _RequestState] = {}
         self._sequences: dict[str, tuple[_RequestState, _SequenceState]] = {}
+        # Core request ids added but not yet scheduled (no output, no scheduled time).
+        self._unscheduled: set[str] = set()
+        # time.monotonic() when the core last went from no requests to some (health).
+        self._busy_since = 0.0
         self._output_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.dead_error: str | None = None
@@ -181,6 +260,15 @@ class AsyncEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_queued_sequences(self) -> int:
+        """Sequences added to the core that it has not scheduled yet."""
+        return len(self._unscheduled)
+
+    @property
+    def unfinished_req_ids(self) -> list[str]:
+        return list(self._requests)
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -199,27 +287,45 @@ class AsyncEngine:
         EngineRequestError if the engine fails the request, EngineDeadError if the
         engine is gone. Closing the iterator early aborts the request.
         """
+        stream = await self.add_request(
+            prompt, sampling_params, req_id, prompt_text=prompt_text, priority=priority,
+            cache_salt=cache_salt, arrival_time=arrival_time)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()  # the consumer left early (closed, cancelled, raised)
+
+    async def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams,
+        req_id: str,
+        *,
+        prompt_text: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request now and return its stream (see `generate` for the errors).
+
+        The caller owns the stream: it must iterate it to the end or `aclose()` it.
+        """
         state = await self._add_request(prompt, sampling_params, req_id, prompt_text,
                                         priority, cache_salt, arrival_time)
-        try:
-            while True:
-                await state.changed.wait()
-                state.changed.clear()
-                if state.error is not None:
-                    raise EngineRequestError(state.error)
-                output = self._make_output(state)
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not state.finished:  # the consumer left early (closed, cancelled, raised)
-                self._abort_state(state)
+        return RequestStream(self, state)
 
     async def abort(self, req_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Unknown ids: no-op."""
+        self.abort_request(req_id)
+
+    def abort_request(self, req_id: str) -> bool:
+        """`abort` without awaiting: True if the request was unfinished."""
         state = self._requests.get(req_id)
-        if state is not None:
-            self._abort_state(state)
+        if state is None:
+            return False
+        self._abort_state(state)
+        return True
 
     async def _add_request(self, prompt, params, req_id, prompt_text, priority, cache_salt,
                            arrival_time) -> _RequestState:
@@ -253,9 +359,12 @@ class AsyncEngine:
                 cache_salt=cache_salt,
             ))
         self._ensure_output_task()
+        if not self._requests:
+            self._busy_since = time.monotonic()
         self._requests[req_id] = state
         for seq in state.sequences:
             self._sequences[seq.core_req_id] = (state, seq)
+            self._unscheduled.add(seq.core_req_id)
         try:
             for core_request in core_requests:
                 await self.client.add_request_async(core_request)
@@ -280,6 +389,7 @@ class AsyncEngine:
             return
         for seq in state.sequences:
             self._sequences.pop(seq.core_req_id, None)
+            self._unscheduled.discard(seq.core_req_id)
         state.metrics.finished_time = time.time()
         if self.observer is not None:
             try:
@@ -320,6 +430,7 @@ class AsyncEngine:
     async def _process_outputs(self, core_outputs: EngineCoreOutputs) -> None:
         now = time.time()
         for req_id, scheduled_time in core_outputs.scheduled_times.items():
+            self._unscheduled.discard(req_id)
             entry = self._sequences.get(req_id)
             if entry is not None and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = scheduled_time
@@ -339,6 +450,7 @@ class AsyncEngine:
                 logger.exception("observer.on_step failed")
 
     def _process_one(self, core_output: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
+        self._unscheduled.discard(core_output.req_id)
         entry = self._sequences.get(core_output.req_id)
         if entry is None:
             return  # aborted meanwhile
@@ -393,10 +505,12 @@ class AsyncEngine:
         return converted
 
     def _fail_everything(self, message: str) -> None:
-        logger.error("engine is dead: %s", message)
+        logger.error("engine is dead: %s; failing its %d unfinished request(s), refusing "
+                     "new ones", message, len(self._requests))
         self.dead_error = message
         for state in list(self._requests.values()):
             state.error = message
+            state.engine_dead = True
             for seq in state.sequences:
                 seq.finish("error")
             self._forget(state)
@@ -462,10 +576,29 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
-    async def check_health(self) -> None:
-        """Raise EngineDeadError if the engine can no longer serve."""
+    async def check_health(
+        self,
+        ping_timeout_s: float = HEALTH_PING_TIMEOUT_S,
+        step_timeout_s: float = HEALTH_STEP_TIMEOUT_S,
+    ) -> None:
+        """Return if the engine core is serving; raise EngineDeadError if it is gone,
+        EngineUnresponsiveError if it is stuck.
+
+        Serving: its busy loop answers a Ping within `ping_timeout_s` (it answers between
+        two steps), or, when one step takes longer than that, the core showed progress
+        within `step_timeout_s` (a step's outputs arrived, or it was given work while
+        idle). Takes at most about `ping_timeout_s`.
+        """
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
+        self.client.check_alive()  # a dead process is reported now, not at the next poll
+        if await self.client.ping_async(ping_timeout_s):
+            return
+        quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
+        if quiet_s > step_timeout_s:
+            raise EngineUnresponsiveError(
+                f"the engine core has not answered a ping or finished a step for "
+                f"{quiet_s:.1f} s")
 
     async def shutdown(self) -> None:
         if self._output_task is not None:

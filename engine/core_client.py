@@ -7,7 +7,12 @@
 
 Every client delivers the core's `EngineCoreOutputs` in step order. The process
 clients raise `EngineStartupError` (with the core's own message) when the core cannot
-start, and `EngineDeadError` from `get_output*` once the core process is gone.
+start, and `EngineDeadError` from `get_output*` once the core process is gone (the
+async process client notices a dead process within `_DEATH_POLL_MS`).
+
+Liveness: `ping_async()` sends a Ping that the core's busy loop answers between two
+steps; `last_message_time` is when the core last said anything (a step's outputs, a
+Pong), so a caller can tell "busy with a long step" from "stuck".
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -39,6 +45,8 @@ from engine.ipc import (
     EngineDead,
     FrontendMessage,
     Outputs,
+    Ping,
+    Pong,
     Ready,
     Shutdown,
     StartupError,
@@ -52,6 +60,9 @@ from engine.request import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000
+# How often the async process client checks that the core process still exists while
+# it waits for output: a killed core is noticed (and its requests failed) this fast.
+_DEATH_POLL_MS = 100
 DEFAULT_STARTUP_TIMEOUT_S = 1800.0
 
 
@@ -146,10 +157,7 @@ class _CoreProcess:
 
     def check_alive(self) -> None:
         if not self.process.is_alive():
-            raise EngineDeadError(
-                f"the engine core process exited unexpectedly (exit code "
-                f"{self.process.exitcode})"
-            )
+            raise EngineDeadError(describe_exit(self.process.exitcode))
 
     @staticmethod
     def handle_startup_message(message: CoreMessage) -> KVCacheInfo:
@@ -189,6 +197,18 @@ class _CoreProcess:
         self.output_socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'the engine core process exited unexpectedly (killed by signal 9, SIGKILL)'..."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        return (f"the engine core process exited unexpectedly (killed by signal {-exitcode}, "
+                f"{name})")
+    return f"the engine core process exited unexpectedly (exit code {exitcode})"
 
 
 class SyncMPClient(EngineCoreClient):
@@ -276,6 +296,10 @@ class AsyncEngineCoreClient(abc.ABC):
     def __init__(self) -> None:
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
+        self._ping_ids = itertools.count()
+        self._ping: tuple[int, asyncio.Future] | None = None  # the one ping in flight
+        # time.monotonic() of the core's latest message (outputs, pong, utility result).
+        self.last_message_time = time.monotonic()
 
     @abc.abstractmethod
     async def _send(self, message: FrontendMessage) -> None: ...
@@ -285,6 +309,9 @@ class AsyncEngineCoreClient(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
+
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if the core (process or thread) is gone."""
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send(AddRequest(request))
@@ -296,10 +323,20 @@ class AsyncEngineCoreClient(abc.ABC):
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next step's outputs; raises EngineDeadError once the core is gone."""
         while True:
-            message = await self._next_message()
+            try:
+                message = await self._next_message()
+            except EngineDeadError as exc:
+                self._fail_pending_calls(str(exc))
+                raise
+            self.last_message_time = time.monotonic()
             if isinstance(message, Outputs):
                 return message.outputs
-            if isinstance(message, UtilityResult):
+            if isinstance(message, Pong):
+                if self._ping is not None and self._ping[0] == message.ping_id:
+                    if not self._ping[1].done():
+                        self._ping[1].set_result(None)
+                    self._ping = None
+            elif isinstance(message, UtilityResult):
                 future = self._pending_calls.pop(message.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -317,11 +354,40 @@ class AsyncEngineCoreClient(abc.ABC):
         await self._send(UtilityCall(call_id, method))
         return _utility_value(await future)
 
+    async def ping_async(self, timeout_s: float) -> bool:
+        """True if the core's busy loop answers a Ping within `timeout_s`.
+
+        Concurrent callers share one Ping in flight (a burst of probes is one message).
+        Needs a task consuming `get_output_async`, which delivers the Pong.
+        """
+        if self._ping is None:
+            ping_id = next(self._ping_ids)
+            future = asyncio.get_running_loop().create_future()
+            self._ping = (ping_id, future)
+            try:
+                await self._send(Ping(ping_id))
+            except BaseException:
+                self._ping = None
+                raise
+        future = self._ping[1] if self._ping is not None else None
+        if future is None:  # answered while we were sending
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     def _fail_pending_calls(self, message: str) -> None:
         for future in self._pending_calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(message))
         self._pending_calls.clear()
+        if self._ping is not None:
+            if not self._ping[1].done():
+                self._ping[1].set_exception(EngineDeadError(message))
+            self._ping[1].exception()  # retrieved: no "never retrieved" warning
+            self._ping = None
 
 
 class AsyncMPClient(AsyncEngineCoreClient):
@@ -366,9 +432,12 @@ class AsyncMPClient(AsyncEngineCoreClient):
         await self._proc.input_socket.send(self._codec.encode(message))
 
     async def _next_message(self) -> CoreMessage:
-        while not await self._proc.output_socket.poll(_POLL_MS):
+        while not await self._proc.output_socket.poll(_DEATH_POLL_MS):
             self._proc.check_alive()
         return self._codec.decode(await self._proc.output_socket.recv())
+
+    def check_alive(self) -> None:
+        self._proc.check_alive()
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -420,6 +489,10 @@ class AsyncThreadClient(AsyncEngineCoreClient):
 
     async def _next_message(self) -> CoreMessage:
         return await self._outputs.get()
+
+    def check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine core thread stopped")
 
     def shutdown(self) -> None:
         if self._thread.is_alive():

@@ -5,7 +5,8 @@
     PUSH input.sock  ──────────▶  input thread: decode ─▶ input_queue
                                   main thread:  busy loop
                                      idle?  block on input_queue
-                                     else   drain input_queue, step(), queue outputs
+                                     else   drain input_queue (Ping -> Pong), step(),
+                                            queue outputs
     PULL output.sock ◀──────────  output thread: output_queue ─▶ encode ─▶ send
 
 The model step runs in the main thread; decoding and encoding happen in the two
@@ -38,6 +39,8 @@ from engine.ipc import (
     EngineDead,
     FrontendMessage,
     Outputs,
+    Ping,
+    Pong,
     Ready,
     Shutdown,
     StartupError,
@@ -136,6 +139,8 @@ class EngineCoreProc:
                 self._send(Outputs(EngineCoreOutputs(outputs=[failed], timestamp=time.time())))
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.req_ids)
+        elif isinstance(message, Ping):
+            self._send(Pong(message.ping_id))  # between two steps: the loop is alive
         elif isinstance(message, UtilityCall):
             self._send(self._call_utility(message))
         elif isinstance(message, Shutdown):
@@ -175,7 +180,10 @@ def run_engine_core(
     """
     import zmq
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    # The frontend decides when we stop (it drains requests first, then sends Shutdown);
+    # a Ctrl-C or SIGTERM sent to the whole process group must not kill us mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s",

@@ -4,9 +4,14 @@ Everything on the wire is msgpack produced by msgspec from the typed structs bel
 (which embed the engine's own dataclasses); nothing is pickled. The union of each
 direction is decoded strictly, so a malformed message is an error, not a guess.
 
-    frontend --(FrontendMessage)--> core:  AddRequest | AbortRequests | UtilityCall | Shutdown
+    frontend --(FrontendMessage)--> core:  AddRequest | AbortRequests | UtilityCall | Ping
+                                           | Shutdown
     core --(CoreMessage)--> frontend:      Ready | StartupError | Outputs | UtilityResult
-                                           | EngineDead
+                                           | Pong | EngineDead
+
+Ping/Pong is the liveness probe: Ping travels the same way requests do (socket, input
+thread, input queue) and the core's busy loop answers it between two steps, so a Pong
+proves that the loop itself is making progress, not just that the process exists.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ class UtilityCall(msgspec.Struct, tag="utility"):
 
     call_id: int
     method: str
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """Answered by Pong(ping_id) from the core's busy loop, between two steps."""
+
+    ping_id: int
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -61,14 +72,18 @@ class UtilityResult(msgspec.Struct, tag="utility_result"):
     error: str | None = None
 
 
+class Pong(msgspec.Struct, tag="pong"):
+    ping_id: int
+
+
 class EngineDead(msgspec.Struct, tag="engine_dead"):
     """The core hit an unrecoverable error; the process exits after sending this."""
 
     message: str
 
 
-FrontendMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
-CoreMessage = Ready | StartupError | Outputs | UtilityResult | EngineDead
+FrontendMessage = AddRequest | AbortRequests | UtilityCall | Ping | Shutdown
+CoreMessage = Ready | StartupError | Outputs | UtilityResult | Pong | EngineDead
 
 # EngineCore methods a frontend may call through UtilityCall (no arguments).
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})

@@ -64,8 +64,14 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # this step
     num_scheduled_tokens: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed this step
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefix-cache hits excluded)
     num_generation_tokens: int = 0  # tokens sampled this step
+    # Whole prompts (prefix-cache hits included) of the requests whose first token was
+    # sampled this step: each request's prompt counts once, never again after a preemption.
+    num_prompt_tokens_prefilled: int = 0
+    # One entry per request that got a token this step and had one before: seconds since
+    # its previous token (a preemption's stall included).
+    inter_token_latencies_s: list[float] = field(default_factory=list)
     step_duration_s: float = 0.0
 
 

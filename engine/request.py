@@ -89,6 +89,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine if None
+        self.last_token_time: float | None = None  # time.time() of the latest sampled token
 
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []

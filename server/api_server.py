@@ -124,6 +124,7 @@ class APIServer:
         except BaseException:
             self.socket.close()
             raise
+        metrics.set_cache_config(self.engine_config.cache_config, engine.kv_cache_info)
         self.state = ServerState(
             engine=engine, tokenizer=info.tokenizer, served_model_names=self.served_model_names,
             model_root=self.model_dir, metrics=metrics, api_key=options.api_key,

@@ -117,14 +117,24 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"Invalid value for {where}: {message}", param, "invalid_value")
 
 
+def _count_failure(request: Request, error: APIError) -> None:
+    """Count an inference request answered with an error (request_failure_total)."""
+    state = getattr(request.app.state, "server", None)
+    if state is not None:
+        state.metrics.record_error(error, request.url.path)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count_failure(request, exc)
         return exc.to_response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).to_response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc)
+        _count_failure(request, error)
+        return error.to_response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

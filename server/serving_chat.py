@@ -154,5 +154,6 @@ async def _stream(
             yield chunk([], usage)
     except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
         raw_request.state.stream_error = True
+        state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)
         yield sse_error(exc)
     yield SSE_DONE

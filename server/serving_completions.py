@@ -223,5 +223,6 @@ async def _stream(
             ).model_dump_json())
     except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
         raw_request.state.stream_error = True
+        state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)
         yield sse_error(exc)
     yield SSE_DONE

@@ -270,7 +270,9 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs: list[EngineCoreOutput] = []
-        num_prompt_tokens = num_generation_tokens = 0
+        num_prompt_tokens = num_generation_tokens = num_prompt_tokens_prefilled = 0
+        inter_token_latencies_s: list[float] = []
+        now = time.time()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -297,6 +299,12 @@ class Scheduler:
                 if self._check_stop(request, token_id):
                     break
             num_generation_tokens += len(new_token_ids)
+            if new_token_ids:
+                if request.last_token_time is None:  # its first token: the prompt is done
+                    num_prompt_tokens_prefilled += request.num_prompt_tokens
+                else:
+                    inter_token_latencies_s.append(now - request.last_token_time)
+                request.last_token_time = now
             logprobs = runner_output.logprobs.get(req_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             finished = request.is_finished
@@ -320,6 +328,8 @@ class Scheduler:
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         stats.num_prompt_tokens = num_prompt_tokens
         stats.num_generation_tokens = num_generation_tokens
+        stats.num_prompt_tokens_prefilled = num_prompt_tokens_prefilled
+        stats.inter_token_latencies_s = inter_token_latencies_s
         scheduled_times = {
             r.req_id: self._scheduled_times.pop(r.req_id)
             for r in scheduler_output.scheduled_new_reqs

@@ -16,6 +16,8 @@ from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+CPU_PROFILE_TOKENS = 256
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -65,7 +67,13 @@ class ModelExecutor:
         )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.runner.profile_run(min(sched.max_num_batched_tokens, max_model_len * 4))
+        # CUDA sizes the KV cache from the peak memory of a full-budget forward pass.
+        # On CPU the KV budget is a byte count (--kv-cache-memory), so a short pass
+        # that proves the model runs is enough and keeps start-up fast.
+        num_profile_tokens = sched.max_num_batched_tokens
+        if device.type != "cuda":
+            num_profile_tokens = min(num_profile_tokens, CPU_PROFILE_TOKENS)
+        self.runner.profile_run(num_profile_tokens)
         specs = kv_cache_init.get_kv_cache_specs(self.runner.attention_layers, dtype, block_size)
         if config.cache_config.num_gpu_blocks_override is not None:
             num_blocks = config.cache_config.num_gpu_blocks_override

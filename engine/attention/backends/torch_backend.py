@@ -118,15 +118,19 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         S=5, L=2:  keys   0 1 2 3 4
                    q0 ->  1 1 1 1 0
                    q1 ->  1 1 1 1 1
+
+    KV heads are expanded to the query heads and inputs made 4-D: that is what lets
+    SDPA take its fused CPU kernel instead of the slower math path.
     """
     query_len, seq_len = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
     if query_len == seq_len:
-        result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                enable_gqa=True)
+        result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        result = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                enable_gqa=True)
-    return result.transpose(0, 1)
+        result = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return result[0].transpose(0, 1)
