@@ -310,6 +310,7 @@ class AsyncEngineCoreClient(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
+    @abc.abstractmethod
     def check_alive(self) -> None:
         """Raise EngineDeadError if the core (process or thread) is gone."""
 

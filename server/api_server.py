@@ -4,13 +4,24 @@
                         tokenizer, start the engine core (its own process), build the app
     APIServer.serve():  run uvicorn on the bound socket until asked to stop, then shut
                         the engine down
+
+Stopping (SIGTERM or SIGINT in the main thread, or `request_stop()` from anywhere):
+/health and every new request get 503 at once while the listener stays open; the
+requests in flight get up to `shutdown_timeout_s` to finish, then the rest are aborted
+(finish_reason "abort"); then uvicorn closes its connections, the engine core process
+is stopped and joined, and `serve()` returns (the CLI exits 0). A second signal skips
+the wait. uvicorn's own signal handling is replaced: it would re-raise the signal after
+its shutdown and kill the process with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +33,7 @@ from engine.config import EngineConfig
 from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine.core_proc import ExecutorSpec
 from server.app import build_app
+from server.lifecycle import ServerLimits
 from server.metrics import ServerMetrics
 from server.state import ServerState
 
@@ -37,7 +49,21 @@ class ServeOptions:
     log_level: str = "info"
     engine_mode: Literal["process", "thread"] = "process"
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    graceful_shutdown_s: float = 5.0
+    shutdown_timeout_s: float = 5.0  # drain: how long in-flight requests may still run
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    health_ping_timeout_s: float = 0.05
+    health_step_timeout_s: float = 60.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers (APIServer.serve installs its own)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
 
 
 @dataclass
@@ -73,7 +99,10 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+    # proto says TCP. Without it a response written in two parts (head, then body) waits
+    # for the client's delayed ACK: +40 ms on every JSON answer.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -129,16 +158,21 @@ class APIServer:
             engine=engine, tokenizer=info.tokenizer, served_model_names=self.served_model_names,
             model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
             scheduling_policy=self.engine_config.scheduler_config.policy,
-            extra_stop_token_ids=info.extra_stop_token_ids,
+            extra_stop_token_ids=info.extra_stop_token_ids, limits=options.limits,
+            health_ping_timeout_s=options.health_ping_timeout_s,
+            health_step_timeout_s=options.health_step_timeout_s,
         )
         app = build_app(self.state, options.allowed_origins)
         host, port = self.socket.getsockname()[:2]
         config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False,
             log_level=options.log_level.lower(), lifespan="off",
-            timeout_graceful_shutdown=options.graceful_shutdown_s,
+            # The drain already waited for the requests; this only closes connections.
+            timeout_graceful_shutdown=1,
+            # h11 (pure Python) enforces a limit on the request head; httptools has none.
+            http="h11", h11_max_incomplete_event_size=options.limits.max_header_bytes,
         )
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = _Uvicorn(config)
         kv = engine.kv_cache_info
         logger.info(
             "serving %s (%s) at %s; max_model_len=%d, KV cache %d blocks x %d tokens",
@@ -146,11 +180,34 @@ class APIServer:
             kv.num_blocks, kv.block_size)
 
     async def serve(self) -> None:
-        """Serve until `request_stop()` (or SIGINT/SIGTERM in the main thread)."""
+        """Serve until `request_stop()` (or SIGINT/SIGTERM in the main thread), drain,
+        stop the engine."""
         assert self._uvicorn is not None and self.state is not None, "start() first"
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        signals = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                signals.append(sig)
+        serving = loop.create_task(self._uvicorn.serve(sockets=[self.socket]))
+        stopping = loop.create_task(self._stop.wait())
         try:
-            await self._uvicorn.serve(sockets=[self.socket])
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                if not self._force:
+                    await self.state.lifecycle.drain(self.options.shutdown_timeout_s)
+                else:
+                    await self.state.lifecycle.drain(0.0)
+                self._uvicorn.should_exit = True
+            await serving
         finally:
+            stopping.cancel()
+            for sig in signals:
+                loop.remove_signal_handler(sig)
             await self.state.engine.shutdown()
             self.socket.close()
             logger.info("server stopped")
@@ -159,10 +216,41 @@ class APIServer:
         await self.start()
         await self.serve()
 
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+    _stop_requested = False
+    _force = False
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self._stop_requested:
+            logger.warning("received %s again: aborting the remaining requests now", name)
+            self._force = True
+            self.state.lifecycle.draining = True
+            for active in list(self.state.lifecycle.active):
+                active.abort("shutdown")
+            return
+        logger.info("received %s: shutting down (drain up to %.1f s)", name,
+                    self.options.shutdown_timeout_s)
+        self._begin_stop()
+
+    def _begin_stop(self) -> None:
+        self._stop_requested = True
+        if self.state is not None:
+            self.state.lifecycle.draining = True  # 503 from now on, not from the next tick
+        if self._stop is not None:
+            self._stop.set()
+
     def request_stop(self) -> None:
-        """Ask uvicorn to finish; safe from any thread."""
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+        """Start the graceful shutdown (as SIGTERM does); safe from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._stop_requested = True
+            return
+        try:
+            loop.call_soon_threadsafe(self._begin_stop)
+        except RuntimeError:  # the loop just closed
+            pass
 
     @property
     def started(self) -> bool:

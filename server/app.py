@@ -2,6 +2,9 @@
 
 Inference routes (/v1/*, /tokenize, /detokenize) need the API key when one is set;
 /health, /metrics and /version stay open.
+
+Middleware, outermost first: access log, CORS, shutdown gate (503 while draining),
+request head/body size limits (431/413), catch-all (500 error object), then the routes.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from engine.async_engine import EngineRequestError
 from server.access_log import AccessLogMiddleware
+from server.body_limit import RequestSizeLimit
 from server.errors import ERROR_RESPONSES, APIError, from_exception, install_error_handlers
+from server.lifecycle import ShutdownGate, shutting_down_error
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -67,6 +73,9 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     )
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(RequestSizeLimit, max_body_bytes=state.limits.max_request_body_bytes,
+                       max_header_bytes=state.limits.max_header_bytes, metrics=state.metrics)
+    app.add_middleware(ShutdownGate, lifecycle=state.lifecycle)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
                            allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
@@ -89,10 +98,18 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     # ------------------------------------------------------------------ open routes
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
-        """200 while the engine can serve; 503 (with the reason) once it cannot."""
-        if not state.engine.is_running:
-            return APIError(503, f"The engine is not running: {state.engine.dead_error}",
-                            code="engine_dead").to_response()
+        """200 while the engine core answers (a ping through its busy loop, or a step
+        finished recently); 503 (with the reason) while draining or once it cannot serve."""
+        if state.lifecycle.draining:
+            return shutting_down_error().to_response()
+        try:
+            await state.engine.check_health(state.health_ping_timeout_s,
+                                            state.health_step_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - dead, unresponsive: a 503 that says why
+            error = from_exception(exc)
+            if error.status_code != 503:
+                error = APIError(503, error.message, code=error.code)
+            return error.to_response()
         return Response(status_code=200)
 
     @app.get("/version", response_model=VersionResponse)
@@ -122,6 +139,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
             return await create_completion(state, body, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
+        except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
+            return from_exception(exc).to_response()
         except Exception as exc:
             raise from_exception(exc) from exc
 
@@ -133,6 +152,8 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
             return await create_chat_completion(state, body, raw_request)
         except ClientDisconnected:
             return Response(status_code=499)
+        except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
+            return from_exception(exc).to_response()
         except Exception as exc:
             raise from_exception(exc) from exc
 

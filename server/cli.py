@@ -70,6 +70,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    from engine.sampling_params import MAX_LOGPROBS
+
+    value = int(text)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOGPROBS}, got {value}")
+    return value
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None:
@@ -147,6 +170,26 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          default="info")
     flag("--seed", "Random seed of the engine (requests without a seed).", type=int,
          default="0")
+    # Reliability: admission control, hard caps on a request, deadlines, shutdown.
+    flag("--max-queued-requests", "Most sequences waiting to be scheduled (in the engine "
+         "or on their way to it); a request beyond that is refused with 503 and "
+         "Retry-After.", type=_positive_int, default="1024")
+    flag("--max-n", "Most choices ('n') one request may ask for.", type=_positive_int,
+         default="16")
+    flag("--max-logprobs", "Most logprobs (top alternatives per token) a request may ask for.",
+         type=_max_logprobs, default="20")
+    flag("--max-prompts-per-request", "Most prompts in one /v1/completions request.",
+         type=_positive_int, default="256")
+    flag("--max-request-body-bytes", "Largest request body, with an optional K/M/G suffix; "
+         "larger ones get 413.", type=_size, default="32M")
+    flag("--max-header-bytes", "Largest request head (request line and headers), with an "
+         "optional K/M/G suffix; larger ones are refused.", type=_size, default="64K")
+    flag("--request-timeout", "Abort a request still running after this many seconds "
+         "(finish_reason 'abort' and a request_timeout error). Default: no deadline.",
+         type=_positive_seconds)
+    flag("--shutdown-timeout", "On SIGTERM/SIGINT: refuse new requests (503) and let the "
+         "in-flight ones finish for up to this many seconds, then abort the rest and exit.",
+         type=_seconds, default="5")
     return parser
 
 
@@ -184,6 +227,16 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
     )
 
 
+def limits_from_args(args: argparse.Namespace):
+    from server.lifecycle import ServerLimits
+
+    return ServerLimits(
+        max_queued_requests=args.max_queued_requests, max_n=args.max_n,
+        max_logprobs=args.max_logprobs, max_prompts_per_request=args.max_prompts_per_request,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes, request_timeout_s=args.request_timeout)
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -218,7 +271,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, model_dir, served[0])
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                            allowed_origins=args.allowed_origins or [],
-                           log_level=args.log_level)
+                           log_level=args.log_level, limits=limits_from_args(args),
+                           shutdown_timeout_s=args.shutdown_timeout)
     server = APIServer(options, config, model_dir, served)
     try:
         asyncio.run(server.run())

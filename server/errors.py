@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineRequestError
+from engine.async_engine import EngineRequestError, EngineUnresponsiveError
 from engine.core_client import EngineDeadError
 from engine.input_checks import PromptError
 from engine.sampling_params import SamplingParamsError
@@ -29,20 +29,25 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
 class APIError(Exception):
     def __init__(self, status_code: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status_code, "invalid_request_error")
+        self.headers = dict(headers or {})
 
     def to_response_model(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
@@ -52,9 +57,11 @@ class APIError(Exception):
         return self.to_response_model().model_dump_json()
 
     def to_response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
+        headers = dict(self.headers)
+        if self.status_code == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(self.to_response_model().model_dump(), self.status_code,
-                            headers=headers)
+                            headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -70,18 +77,26 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, PromptError):
         return APIError(400, str(exc), exc.param, exc.code or "invalid_value")
     if isinstance(exc, EngineRequestError):
+        if exc.engine_dead:  # the engine died under this request
+            return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
         return APIError(500, f"The engine failed the request: {exc}", code="engine_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, EngineUnresponsiveError):
+        return APIError(503, f"The engine is not responding: {exc}", code="engine_unresponsive")
     logger.exception("unexpected error", exc_info=exc)
     return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
                     code="internal_error")
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
 def _param_from_loc(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # Drop pydantic's union-branch markers (e.g. "list[int]", "function-after[...]").
-    parts = [p for p in parts if "[" not in p and "-" not in p]
+    # Drop pydantic's union-branch markers (e.g. "list[int]", "function-after[...]",
+    # "constrained-int", "str").
+    parts = [p for p in parts if "[" not in p and "-" not in p and p not in _UNION_TAGS]
     if not parts:
         return None
     param = parts[0]
@@ -185,6 +200,11 @@ ERROR_RESPONSES = {
     400: {"model": ErrorResponse, "description": "Invalid request (bad field, too long, ...)"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body over --max-request-body-bytes"},
+    431: {"model": ErrorResponse, "description": "Request headers over --max-header-bytes"},
     500: {"model": ErrorResponse, "description": "The engine failed the request"},
-    503: {"model": ErrorResponse, "description": "The engine is not running"},
+    503: {"model": ErrorResponse, "description": (
+        "Overloaded (the queue is full; see Retry-After), shutting down, or the engine "
+        "is not running")},
+    504: {"model": ErrorResponse, "description": "The request exceeded --request-timeout"},
 }

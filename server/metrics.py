@@ -20,7 +20,8 @@ HTTP layer must NOT report a request the engine already has: a client that disco
 mid-generation ends as finished_reason="abort" (as in vLLM); failure{reason="aborted"}
 is for a client that left before its request reached the engine (e.g. while it waited
 for admission). A "request" is one prompt: a completions batch of 3 prompts is 3, and
-`n` samples of one prompt are 1.
+`n` samples of one prompt are 1; only a rejected request body (4xx, counted as
+"validation") is one, whatever it held.
 
 Token counters come from the engine's step stats, so they move while requests run:
   * prompt_tokens_total: a request's whole prompt (prefix-cache hits included) once, in
@@ -49,9 +50,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from engine.async_engine import EngineRequestError
 from engine.config import CacheConfig
+from engine.core_client import EngineDeadError
+from engine.input_checks import PromptError
 from engine.outputs import SchedulerStats
 from engine.request_output import RequestOutput
+from engine.sampling_params import SamplingParamsError
 
 # No `<name>_created` companion series: they are not part of the catalogue, and they
 # would double the number of series Prometheus stores. (Process-wide, as vLLM does.)
@@ -86,15 +91,14 @@ def failure_reason(exc: BaseException) -> str | None:
     """The request_failure_total reason of an error answered before the engine had the
     request, or None when it is not one (counted elsewhere, or not a request failure).
 
-    4xx (bad request, unknown model, missing API key) -> "validation"; a dead engine
-    (EngineDeadError, or the 503 "engine_dead" it becomes) -> "engine_error". An engine
-    failure of a running request (500 "engine_error") is counted by the engine itself,
-    and overload answers (503/429) by the admission control.
+    4xx (bad request, unknown model, missing API key, body too large) -> "validation";
+    a dead engine at admission (EngineDeadError, or the 503 "engine_dead" it becomes) ->
+    "engine_error". A request the engine already had (EngineRequestError, also when the
+    engine died under it) is counted by the engine itself, overload and shutdown answers
+    (503/429) by the admission control, timeouts (504) as the engine's abort.
     """
-    from engine.core_client import EngineDeadError
-    from engine.input_checks import PromptError
-    from engine.sampling_params import SamplingParamsError
-
+    if isinstance(exc, EngineRequestError) or isinstance(exc.__cause__, EngineRequestError):
+        return None  # the request was in the engine, which counted it (dead engine or not)
     if isinstance(exc, EngineDeadError):
         return "engine_error"
     if isinstance(exc, (PromptError, SamplingParamsError)):

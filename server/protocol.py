@@ -4,18 +4,24 @@ Requests forbid unknown fields: a field we do not know is a 400 naming it, never
 silently ignored. Fields we know but do not support yet (tools, response_format
 other than text, suffix, best_of != n, ...) are declared so that `unsupported_field()`
 can name them; everything else declared here is honoured.
+
+Hostile input stops here: every integer is a signed 64-bit one (the engine core's wire
+format and tensors hold nothing wider) and numbers must be finite (no NaN/Infinity).
+Operator caps (n, logprobs, prompts per request) are checked by the handlers.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class OpenAIResponse(BaseModel):
@@ -56,17 +62,18 @@ class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(None, description="A served model name; omitted: the served model.")
-    max_tokens: int | None = Field(
+    max_tokens: Int64 | None = Field(
         None, description="Tokens to generate at most; default: the rest of the context.")
-    max_completion_tokens: int | None = Field(None, description="Alias of max_tokens (wins).")
+    max_completion_tokens: Int64 | None = Field(None, description="Alias of max_tokens (wins).")
     temperature: float | None = Field(None, description="0 is greedy; default 1.")
     top_p: float | None = None
-    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 or -1: all.")
+    top_k: Int64 | None = Field(None, description="Keep the k most likely tokens; 0 or -1: all.")
     min_p: float | None = None
-    seed: int | None = Field(None, description="Reproducible sampling; n samples derive n seeds.")
-    n: int = Field(1, ge=1, le=128, description="Choices to generate for each prompt.")
+    seed: Int64 | None = Field(None, description="Reproducible sampling; n samples derive n seeds.")
+    n: Int64 = Field(1, ge=1, description="Choices to generate for each prompt (at most the "
+                                          "server's --max-n).")
     stop: str | list[str] | None = Field(None, description="Stop strings (not included).")
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -76,22 +83,23 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = Field(
         None, description="Isolates this request's prefix-cache entries from other salts.")
-    priority: int = Field(0, description="Lower runs first under the priority scheduling policy.")
+    priority: Int64 = Field(
+        0, description="Lower runs first under the priority scheduling policy.")
 
 
 # ---------------------------------------------------------------- completions
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[Int64] | list[list[Int64]] = Field(
         ..., description="Text, a batch of texts, token ids, or a batch of token-id lists.")
-    logprobs: int | None = Field(None, description="Top logprobs per token (0..20).")
+    logprobs: Int64 | None = Field(None, description="Top logprobs per token (0..20).")
     echo: bool = Field(False, description="Prepend the prompt to the returned text.")
     suffix: str | None = Field(None, description="Not supported (400 if set).")
-    best_of: int | None = Field(None, description="Only best_of == n is supported.")
+    best_of: Int64 | None = Field(None, description="Only best_of == n is supported.")
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix:
@@ -168,7 +176,7 @@ class ResponseFormat(OpenAIRequest):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = Field(False, description="Return the chosen tokens' logprobs.")
-    top_logprobs: int | None = Field(None, description="Alternatives per token (0..20).")
+    top_logprobs: Int64 | None = Field(None, description="Alternatives per token (0..20).")
     add_generation_prompt: bool = Field(
         True, description="End the templated prompt with the assistant's turn header.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if non-empty).")
@@ -304,7 +312,7 @@ class TokenizeResponse(OpenAIResponse):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(OpenAIResponse):

@@ -11,10 +11,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engine.request_output import RequestOutput, SampleLogprob
 from server.errors import bad_request
+from server.lifecycle import ActiveRequest
 from server.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionChoice,
@@ -28,12 +28,13 @@ from server.protocol import (
     DeltaMessage,
 )
 from server.serving_common import (
-    LOGPROB_FLOOR,
     SSE_DONE,
+    EngineStreamingResponse,
     apply_chat_template,
     build_sampling_params,
     check_common,
     check_prompts,
+    json_logprob,
     make_usage,
     new_request_id,
     record_usage,
@@ -49,12 +50,12 @@ def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoice
     content = []
     for entry in entries:
         top = [
-            ChatTopLogprob(token=t.token, logprob=max(t.logprob, LOGPROB_FLOOR),
+            ChatTopLogprob(token=t.token, logprob=json_logprob(t.logprob),
                            bytes=list(t.token.encode("utf-8")))
             for t in entry.top[:num_top]
         ]
         content.append(ChatTokenLogprob(
-            token=entry.token, logprob=max(entry.logprob, LOGPROB_FLOOR),
+            token=entry.token, logprob=json_logprob(entry.logprob),
             bytes=list(entry.token.encode("utf-8")), top_logprobs=top))
     return ChatChoiceLogProbs(content=content)
 
@@ -78,21 +79,24 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
 
     request_id = new_request_id("chatcmpl")
     created = int(time.time())
-    stream = state.engine.generate(prompt_token_ids, params, request_id,
-                                   priority=body.priority, cache_salt=body.cache_salt)
+    active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
+                                         priority=body.priority, cache_salt=body.cache_salt)
     if body.stream:
-        return StreamingResponse(
-            _stream(state, body, raw_request, request_id, created, stream, num_top),
-            media_type="text/event-stream",
-        )
+        return EngineStreamingResponse(
+            _stream(state, body, raw_request, request_id, created, active, num_top), active)
 
     async def collect() -> RequestOutput:
         final = None
-        async for output in stream:
+        async for output in active.streams[0]:
             final = output
         return final
 
-    final = await run_until_disconnect(raw_request, collect())
+    try:
+        final = await run_until_disconnect(raw_request, collect())
+    finally:
+        await active.finish()
+    if (error := active.error()) is not None:
+        raise error
     choices = [
         ChatCompletionChoice(
             index=output.index,
@@ -115,7 +119,7 @@ async def _stream(
     raw_request: Request,
     request_id: str,
     created: int,
-    stream: AsyncIterator[RequestOutput],
+    active: ActiveRequest,
     num_top: int,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
@@ -129,7 +133,7 @@ async def _stream(
         for index in range(body.n):
             yield chunk([ChatCompletionStreamChoice(
                 index=index, delta=DeltaMessage(role="assistant", content=""))])
-        async for request_output in stream:
+        async for request_output in active.streams[0]:
             final = request_output
             for output in request_output.outputs:
                 if finish_sent[output.index]:
@@ -152,6 +156,9 @@ async def _stream(
         record_usage(raw_request, usage)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage)
+        if (error := active.error()) is not None:  # aborted by the server (deadline, shutdown)
+            raw_request.state.stream_error = True
+            yield sse(error.to_json())
     except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
         raw_request.state.stream_error = True
         state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)

@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from engine.input_checks import check_prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, from_exception
+from server.lifecycle import ActiveRequest
 from server.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
 from server.state import ServerState
 
@@ -21,6 +23,13 @@ T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+# The sampler works in float32: a top_p that rounds to 0 there keeps no token at all.
+_MIN_TOP_P = 1e-30
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf and NaN (degenerate logits) become the floor."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def sse(data_json: str) -> str:
@@ -52,6 +61,10 @@ def check_common(state: ServerState, body: SamplingFields, unsupported: tuple[st
     if body.priority != 0 and state.scheduling_policy != "priority":
         raise bad_request("priority is only honoured when the server runs with "
                           "--scheduling-policy priority.", "priority", "unsupported_parameter")
+    max_n = state.limits.max_n
+    if body.n > max_n:
+        raise bad_request(f"n must be at most {max_n} on this server (--max-n), got {body.n}.",
+                          "n", "invalid_value")
 
 
 def build_sampling_params(
@@ -62,6 +75,14 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; a bad value is a 400 naming its field."""
+    max_logprobs = state.limits.max_logprobs
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise bad_request(f"{name} must be between 0 and {max_logprobs}, got {value}.",
+                              name, "invalid_value")
+    if body.top_p is not None and 0.0 < body.top_p < _MIN_TOP_P:
+        raise bad_request(f"top_p must be at least {_MIN_TOP_P:g} (or use top_k=1), got "
+                          f"{body.top_p}.", "top_p", "invalid_value")
     logit_bias = None
     if body.logit_bias:
         logit_bias = {}
@@ -184,12 +205,15 @@ async def merge_streams(
 ) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as (iterator index, item), as items arrive.
 
-    Closing the merged iterator (or an error in one of them) cancels all of them,
-    which aborts their requests.
+    Closing the merged iterator (or an error in one of them) cancels and closes all
+    of them, which aborts their requests.
     """
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _aclose(iterators[0])
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
 
@@ -219,10 +243,39 @@ async def merge_streams(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for iterator in iterators:
+            await _aclose(iterator)
+
+
+async def _aclose(iterator: Any) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 class ClientDisconnected(Exception):
     pass
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always ends its request: when the stream completes, when
+    the client disconnects (Starlette cancels the send loop, possibly while the body
+    generator is parked at a `yield`), or when the response never started. Closing the
+    generator and finishing the ActiveRequest aborts whatever is unfinished at once,
+    which frees its KV blocks in the core, rather than whenever the garbage collector
+    gets to the generator.
+    """
+
+    def __init__(self, content: AsyncIterator[str], active: ActiveRequest):
+        super().__init__(content, media_type="text/event-stream")
+        self.active = active
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            await self.active.finish()
 
 
 async def run_until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:

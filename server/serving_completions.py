@@ -5,14 +5,15 @@ Choice indices: prompt p's i-th sample is choice `p * n + i`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engine.request_output import CompletionOutput, RequestOutput, SampleLogprob
 from server.errors import bad_request
+from server.lifecycle import ActiveRequest
 from server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -22,11 +23,12 @@ from server.protocol import (
     CompletionStreamResponse,
 )
 from server.serving_common import (
-    LOGPROB_FLOOR,
     SSE_DONE,
+    EngineStreamingResponse,
     build_sampling_params,
     check_common,
     check_prompts,
+    json_logprob,
     make_usage,
     merge_streams,
     new_request_id,
@@ -47,6 +49,11 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
         prompt = [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty.", "prompt", "invalid_value")
+    limit = state.limits.max_prompts_per_request
+    if len(prompt) > limit:
+        raise bad_request(f"A request may hold at most {limit} prompts on this server "
+                          f"(--max-prompts-per-request), got {len(prompt)}.", "prompt",
+                          "invalid_value")
     tokenizer = state.tokenizer
     result = []
     for item in prompt:
@@ -77,9 +84,9 @@ class _LogprobFormatter:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            result.token_logprobs.append(max(entry.logprob, LOGPROB_FLOOR))
-            top = {t.token: max(t.logprob, LOGPROB_FLOOR) for t in entry.top[:self.num_top]}
-            top.setdefault(entry.token, max(entry.logprob, LOGPROB_FLOOR))
+            result.token_logprobs.append(json_logprob(entry.logprob))
+            top = {t.token: json_logprob(t.logprob) for t in entry.top[:self.num_top]}
+            top.setdefault(entry.token, json_logprob(entry.logprob))
             result.top_logprobs.append(top)
         return result, offset
 
@@ -96,31 +103,34 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
 
     request_id = new_request_id("cmpl")
     created = int(time.time())
-    engine = state.engine
-    streams = [
-        engine.generate(ids, params, f"{request_id}-{p}", prompt_text=text,
-                        priority=body.priority, cache_salt=body.cache_salt)
-        for p, (text, ids) in enumerate(prompts)
-    ]
+    active = await state.lifecycle.start(
+        [(f"{request_id}-{p}", ids, text) for p, (text, ids) in enumerate(prompts)], params,
+        priority=body.priority, cache_salt=body.cache_salt)
+    streams = active.streams
     formatter = _LogprobFormatter(state, body.logprobs or 0) if want_logprobs else None
     echo_texts = [
         (text if text is not None else state.tokenizer.decode(ids)) if body.echo else ""
         for text, ids in prompts
     ]
     if body.stream:
-        return StreamingResponse(
-            _stream(state, body, raw_request, request_id, created, prompts, streams, formatter,
+        return EngineStreamingResponse(
+            _stream(state, body, raw_request, request_id, created, prompts, active, formatter,
                     echo_texts),
-            media_type="text/event-stream",
-        )
+            active)
 
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for p, output in merge_streams(streams):
-            finals[p] = output
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for p, output in merged:
+                finals[p] = output
         return finals  # type: ignore[return-value]
 
-    finals = await run_until_disconnect(raw_request, collect())
+    try:
+        finals = await run_until_disconnect(raw_request, collect())
+    finally:
+        await active.finish()
+    if (error := active.error()) is not None:
+        raise error
     choices = []
     for p, final in enumerate(finals):
         for output in final.outputs:
@@ -163,7 +173,7 @@ async def _stream(
     request_id: str,
     created: int,
     prompts: list[tuple[str | None, list[int]]],
-    streams: list[AsyncIterator[RequestOutput]],
+    active: ActiveRequest,
     formatter: _LogprobFormatter | None,
     echo_texts: list[str],
 ) -> AsyncIterator[str]:
@@ -180,47 +190,51 @@ async def _stream(
         ).model_dump_json())
 
     try:
-        async for p, request_output in merge_streams(streams):
-            finals[p] = request_output
-            for output in request_output.outputs:
-                index = p * n + output.index
-                if finish_sent[index]:
-                    continue
-                text = output.delta_text
-                logprobs = None
-                if formatter is not None:
-                    logprobs = CompletionLogProbs()
-                if echo_pending[index]:
-                    echo_pending[index] = False
-                    text = echo_texts[p] + text
+        async with contextlib.aclosing(merge_streams(active.streams)) as merged:
+            async for p, request_output in merged:
+                finals[p] = request_output
+                for output in request_output.outputs:
+                    index = p * n + output.index
+                    if finish_sent[index]:
+                        continue
+                    text = output.delta_text
+                    logprobs = None
                     if formatter is not None:
-                        prompt_logprobs = (request_output.prompt_logprobs
-                                           or [None] * request_output.num_prompt_tokens)
-                        logprobs, _ = formatter.format(
-                            prompt_logprobs, request_output.prompt_token_ids, 0)
-                        offsets[index] = len(echo_texts[p])
-                if formatter is not None and output.delta_logprobs:
-                    part, offsets[index] = formatter.format(
-                        output.delta_logprobs, output.delta_token_ids, offsets[index])
-                    logprobs.text_offset += part.text_offset
-                    logprobs.tokens += part.tokens
-                    logprobs.token_logprobs += part.token_logprobs
-                    logprobs.top_logprobs += part.top_logprobs
-                finished = output.finished
-                if not text and not finished and not (logprobs and logprobs.tokens):
-                    continue
-                finish_sent[index] = finished
-                yield chunk(CompletionStreamChoice(
-                    index=index, text=text, logprobs=logprobs,
-                    finish_reason=output.finish_reason if finished else None,
-                    stop_reason=output.stop_reason if finished else None,
-                ))
+                        logprobs = CompletionLogProbs()
+                    if echo_pending[index]:
+                        echo_pending[index] = False
+                        text = echo_texts[p] + text
+                        if formatter is not None:
+                            prompt_logprobs = (request_output.prompt_logprobs
+                                               or [None] * request_output.num_prompt_tokens)
+                            logprobs, _ = formatter.format(
+                                prompt_logprobs, request_output.prompt_token_ids, 0)
+                            offsets[index] = len(echo_texts[p])
+                    if formatter is not None and output.delta_logprobs:
+                        part, offsets[index] = formatter.format(
+                            output.delta_logprobs, output.delta_token_ids, offsets[index])
+                        logprobs.text_offset += part.text_offset
+                        logprobs.tokens += part.tokens
+                        logprobs.token_logprobs += part.token_logprobs
+                        logprobs.top_logprobs += part.top_logprobs
+                    finished = output.finished
+                    if not text and not finished and not (logprobs and logprobs.tokens):
+                        continue
+                    finish_sent[index] = finished
+                    yield chunk(CompletionStreamChoice(
+                        index=index, text=text, logprobs=logprobs,
+                        finish_reason=output.finish_reason if finished else None,
+                        stop_reason=output.stop_reason if finished else None,
+                    ))
         usage = make_usage(finals)
         record_usage(raw_request, usage)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse(CompletionStreamResponse(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
             ).model_dump_json())
+        if (error := active.error()) is not None:  # aborted by the server (deadline, shutdown)
+            raw_request.state.stream_error = True
+            yield sse(error.to_json())
     except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
         raw_request.state.stream_error = True
         state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)

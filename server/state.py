@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.async_engine import AsyncEngine
+from server.lifecycle import Lifecycle, ServerLimits
 from server.metrics import ServerMetrics
 
 
@@ -22,6 +23,17 @@ class ServerState:
     # Extra end-of-sequence ids (e.g. from generation_config) added to every request.
     extra_stop_token_ids: list[int] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # Admission, deadlines and the shutdown drain (built from `limits` if not given).
+    lifecycle: Lifecycle | None = None
+    # /health: how long the engine core may take to answer a ping, and how long a busy
+    # core that does not answer still counts as alive (see AsyncEngine.check_health).
+    health_ping_timeout_s: float = 0.05
+    health_step_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.lifecycle is None:
+            self.lifecycle = Lifecycle(self.engine, self.limits, self.metrics)
 
     @property
     def model_name(self) -> str:

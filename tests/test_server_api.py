@@ -487,10 +487,10 @@ def test_health_version_metrics(http, client):
     assert http.get("/version").json()["version"]
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
     text = http.get("/metrics").text
-    assert 'pagedserve_request_success_total{finished_reason="length",model_name="fake-echo"}' \
+    assert 'pagedserve:request_success_total{finished_reason="length",model_name="fake-echo"}' \
         in text
-    assert "pagedserve_generation_tokens_total" in text
-    assert "pagedserve_time_to_first_token_seconds_bucket" in text
+    assert "pagedserve:generation_tokens_total" in text
+    assert "pagedserve:time_to_first_token_seconds_bucket" in text
     assert http.get("/no/such/route").status_code == 404
     assert error_of(http.get("/no/such/route"))["code"] == "not_found"
 
@@ -520,7 +520,7 @@ def test_openapi_documents_real_schemas(http):
 def test_client_disconnect_aborts_the_request(server, http):
     def running() -> float:
         for line in http.get("/metrics").text.splitlines():
-            if line.startswith("pagedserve_num_requests_running{"):
+            if line.startswith("pagedserve:num_requests_running{"):
                 return float(line.split()[-1])
         raise AssertionError("no running gauge")
 
