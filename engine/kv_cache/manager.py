@@ -53,6 +53,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request`: (blocks, number of tokens they hold).
 
+        A pure lookup: the prefix-cache stats count it only when `allocate_slots`
+        then admits the request, so a request retried while the cache is full is
+        counted once.
+
         The last token is never taken from the cache: even a fully cached prompt
         computes one token, to get the logits of the next one.
         """
@@ -66,12 +70,7 @@ class KVCacheManager:
             if block is None:
                 break  # the chain is broken: no later block can match
             hit_blocks.append(block)
-        num_hit_tokens = len(hit_blocks) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.num_requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += num_hit_tokens
-        return hit_blocks, num_hit_tokens
+        return hit_blocks, len(hit_blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -101,6 +100,8 @@ class KVCacheManager:
                 del self.req_to_blocks[request.req_id]
             return None
 
+        if request.num_computed_tokens == 0:  # admission: count the prefix lookup
+            self._count_prefix_lookup(request, num_new_computed_tokens)
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
@@ -123,6 +124,14 @@ class KVCacheManager:
                 )
                 self.num_cached_blocks[request.req_id] = num_full_blocks
         return new_blocks
+
+    def _count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        stats = self.prefix_cache_stats
+        stats.num_requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
 
     def free(self, request: Request, discard_cached: bool = False) -> None:
         """Release every block of `request` (tail first); safe to call twice.
