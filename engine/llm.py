@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.async_engine import derive_seed
 from engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -56,11 +57,6 @@ class _SampleState:
     params: SamplingParams
     done: bool = False
     prompt_logprobs: Logprobs = field(default_factory=Logprobs)
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """Seed of sample `index` of an n-sample request: distinct samples from one seed."""
-    return None if seed is None else seed + index * 1_000_003
 
 
 class LLM:
@@ -174,7 +170,7 @@ class LLM:
                                    prompt_ids, outputs=[])
             results.append(result)
             for index in range(params.n):
-                sample_params = replace(params, n=1, seed=sample_seed(params.seed, index))
+                sample_params = replace(params, n=1, seed=derive_seed(params.seed, index))
                 sub_id = f"{request_id}-{index}"
                 output = CompletionOutput(index=index, text="", token_ids=[])
                 if params.logprobs is not None:

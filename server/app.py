@@ -53,13 +53,25 @@ def package_version() -> str:
 
 
 def _stream_doc(model: type, what: str) -> dict:
+    # Before OpenAPI 3.2 (itemSchema), `schema` of `text/event-stream` describes one event:
+    # its `data` is a JSON chunk, an error object (a failed stream), or the final [DONE].
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+                "anyOf": [{"$ref": f"#/components/schemas/{model.__name__}"},
+                          {"$ref": "#/components/schemas/ErrorResponse"}]}},
+        ]}},
+    }
     return {
         200: {
             "description": (
                 f"The {what}. With `stream: true`: `text/event-stream`, one "
-                f"`data: <{model.__name__}>` line per chunk, then `data: [DONE]`."),
-            "content": {"text/event-stream": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                f"`data: <{model.__name__}>` event per chunk (or an ErrorResponse if the "
+                f"request fails midway), then `data: [DONE]`."),
+            "content": {"text/event-stream": {"schema": event}},
         },
         **ERROR_RESPONSES,
     }
