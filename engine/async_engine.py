@@ -57,8 +57,11 @@ _SEED_MASK = (1 << 63) - 1
 # check_health(): how long the core's loop may take to answer a Ping (it answers
 # between two steps), and, when it does not answer in time, for how long a core that
 # is busy (a step's outputs arrived, or it was just given work) still counts as alive.
-HEALTH_PING_TIMEOUT_S = 0.05
+HEALTH_PING_TIMEOUT_S = 0.03
 HEALTH_STEP_TIMEOUT_S = 60.0
+# A core with nothing to do answers at once; one that has not (a loaded machine) gets
+# this much longer before it counts as stuck.
+_IDLE_PING_GRACE_S = 1.0
 
 
 class EngineRequestError(RuntimeError):
@@ -586,13 +589,19 @@ class AsyncEngine:
 
         Serving: its busy loop answers a Ping within `ping_timeout_s` (it answers between
         two steps), or, when one step takes longer than that, the core showed progress
-        within `step_timeout_s` (a step's outputs arrived, or it was given work while
-        idle). Takes at most about `ping_timeout_s`.
+        within `step_timeout_s` (a step's outputs arrived, a Pong, or it was given work
+        while idle). Takes about `ping_timeout_s` at most, unless the core has been
+        quiet for longer than `step_timeout_s`: then its Ping gets another second.
         """
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         self.client.check_alive()  # a dead process is reported now, not at the next poll
         if await self.client.ping_async(ping_timeout_s):
+            return
+        quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
+        if quiet_s <= step_timeout_s:
+            return  # busy with a long step
+        if await self.client.ping_async(_IDLE_PING_GRACE_S):
             return
         quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
         if quiet_s > step_timeout_s:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S
 from engine.core_proc import ExecutorSpec
@@ -51,8 +53,8 @@ class ServeOptions:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     shutdown_timeout_s: float = 5.0  # drain: how long in-flight requests may still run
     limits: ServerLimits = field(default_factory=ServerLimits)
-    health_ping_timeout_s: float = 0.05
-    health_step_timeout_s: float = 60.0
+    health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
+    health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
 
 
 class _Uvicorn(uvicorn.Server):
@@ -114,6 +116,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _warm_up() -> None:
+    """Keep start-up costs off the requests' event loop.
+
+    * Import now what the first requests would import lazily: anyio's asyncio backend
+      (Starlette's streaming responses use its task groups) blocks the loop for 0.2-0.7 s.
+    * Freeze the start-up heap (torch, transformers, the tokenizer: some 300k objects) out
+      of the garbage collector's reach: otherwise every full collection walks all of it,
+      100-400 ms with the loop blocked, and a burst of requests triggers several.
+    """
+    async with anyio.create_task_group():
+        pass
+    gc.collect()
+    gc.freeze()
+
+
 class APIServer:
     def __init__(
         self,
@@ -163,6 +180,7 @@ class APIServer:
             health_step_timeout_s=options.health_step_timeout_s,
         )
         app = build_app(self.state, options.allowed_origins)
+        await _warm_up()
         host, port = self.socket.getsockname()[:2]
         config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False,
@@ -206,10 +224,12 @@ class APIServer:
             await serving
         finally:
             stopping.cancel()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
-            await self.state.engine.shutdown()
-            self.socket.close()
+            try:
+                await self.state.engine.shutdown()
+                self.socket.close()
+            finally:
+                for sig in signals:  # kept until here: a signal must not cut the clean-up
+                    loop.remove_signal_handler(sig)
             logger.info("server stopped")
 
     async def run(self) -> None:

@@ -200,6 +200,40 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     return app
 
 
+def _document_caps(components: dict, state: ServerState) -> None:
+    """Write this server's caps (--max-n, --max-logprobs, the context length, prompts
+    per request, the vocabulary) into the request schemas, so clients and fuzzers see
+    them. Documentation only: the handlers check them, with messages naming the field."""
+    limits = state.limits
+    caps = {
+        "n": limits.max_n, "logprobs": limits.max_logprobs,
+        "top_logprobs": limits.max_logprobs, "max_tokens": state.max_model_len,
+        "max_completion_tokens": state.max_model_len,
+    }
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        properties = components.get(name, {}).get("properties", {})
+        for field, cap in caps.items():
+            if field in properties:
+                properties[field]["maximum"] = cap
+    token_id = {"minimum": 0, "maximum": state.engine.vocab_size - 1}
+    prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
+    for branch in prompt.get("anyOf", []):
+        if branch.get("type") != "array":
+            continue
+        branch["minItems"] = 1
+        items = branch.get("items", {})
+        if items.get("type") == "integer":  # one prompt's token ids
+            items.update(token_id)
+            branch["maxItems"] = state.max_model_len
+            continue
+        branch["maxItems"] = limits.max_prompts_per_request  # a batch of prompts
+        if items.get("type") == "array":
+            items["minItems"] = 1
+            items.get("items", {}).update(token_id)
+    tokens = components.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
+    tokens.get("items", {}).update(token_id)
+
+
 def _install_openapi(app: FastAPI) -> None:
     """Add the SSE chunk models (not return types of any route) to the schema."""
 
@@ -226,6 +260,9 @@ def _install_openapi(app: FastAPI) -> None:
                         }
             for unused in ("HTTPValidationError", "ValidationError"):
                 components.pop(unused, None)
+            state = getattr(app.state, "server", None)
+            if state is not None:
+                _document_caps(components, state)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -8,6 +8,11 @@ can name them; everything else declared here is honoured.
 Hostile input stops here: every integer is a signed 64-bit one (the engine core's wire
 format and tensors hold nothing wider) and numbers must be finite (no NaN/Infinity).
 Operator caps (n, logprobs, prompts per request) are checked by the handlers.
+
+Value ranges the engine checks (with messages naming the field) are documented in the
+schema (`_doc_range`) but not enforced by pydantic, so a client sees the engine's
+message; the server fills in its own caps (n, logprobs, max_tokens) when it serves
+/openapi.json.
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+def _doc_range(**bounds: float) -> dict[str, Any]:
+    """`json_schema_extra` documenting a range (JSON Schema keywords) without enforcing it."""
+    return {"json_schema_extra": {
+        {"exclusive_minimum": "exclusiveMinimum"}.get(k, k): v for k, v in bounds.items()}}
 
 
 class OpenAIRequest(BaseModel):
@@ -63,27 +74,31 @@ class SamplingFields(OpenAIRequest):
 
     model: str | None = Field(None, description="A served model name; omitted: the served model.")
     max_tokens: Int64 | None = Field(
-        None, description="Tokens to generate at most; default: the rest of the context.")
-    max_completion_tokens: Int64 | None = Field(None, description="Alias of max_tokens (wins).")
-    temperature: float | None = Field(None, description="0 is greedy; default 1.")
-    top_p: float | None = None
+        None, description="Tokens to generate at most; default: the rest of the context.",
+        **_doc_range(minimum=1))
+    max_completion_tokens: Int64 | None = Field(
+        None, description="Alias of max_tokens (wins).", **_doc_range(minimum=1))
+    temperature: float | None = Field(None, description="0 is greedy; default 1.",
+                                      **_doc_range(minimum=0))
+    top_p: float | None = Field(None, **_doc_range(exclusive_minimum=0, maximum=1))
     top_k: Int64 | None = Field(None, description="Keep the k most likely tokens; 0 or -1: all.")
-    min_p: float | None = None
+    min_p: float | None = Field(None, **_doc_range(minimum=0, maximum=1))
     seed: Int64 | None = Field(None, description="Reproducible sampling; n samples derive n seeds.")
-    n: Int64 = Field(1, ge=1, description="Choices to generate for each prompt (at most the "
-                                          "server's --max-n).")
+    n: Annotated[int, Field(ge=1, le=(1 << 63) - 1)] = Field(
+        1, description="Choices to generate for each prompt (at most the server's --max-n).")
     stop: str | list[str] | None = Field(None, description="Stop strings (not included).")
     stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(None, **_doc_range(minimum=-2, maximum=2))
+    frequency_penalty: float | None = Field(None, **_doc_range(minimum=-2, maximum=2))
+    repetition_penalty: float | None = Field(None, **_doc_range(exclusive_minimum=0))
     logit_bias: dict[str, float] | None = Field(
-        None, description="Token id (as a string) -> bias in [-100, 100].")
+        None, description="Token id (as a string) -> bias in [-100, 100].",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: Int64 = 0
+    min_tokens: Int64 = Field(0, **_doc_range(minimum=0))
     skip_special_tokens: bool = True
     user: str | None = None
     cache_salt: str | None = Field(
@@ -96,7 +111,8 @@ class SamplingFields(OpenAIRequest):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Int64] | list[list[Int64]] = Field(
         ..., description="Text, a batch of texts, token ids, or a batch of token-id lists.")
-    logprobs: Int64 | None = Field(None, description="Top logprobs per token (0..20).")
+    logprobs: Int64 | None = Field(None, description="Top logprobs per token (0..20).",
+                                   **_doc_range(minimum=0, maximum=20))
     echo: bool = Field(False, description="Prepend the prompt to the returned text.")
     suffix: str | None = Field(None, description="Not supported (400 if set).")
     best_of: Int64 | None = Field(None, description="Only best_of == n is supported.")
@@ -176,7 +192,8 @@ class ResponseFormat(OpenAIRequest):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = Field(False, description="Return the chosen tokens' logprobs.")
-    top_logprobs: Int64 | None = Field(None, description="Alternatives per token (0..20).")
+    top_logprobs: Int64 | None = Field(None, description="Alternatives per token (0..20).",
+                                       **_doc_range(minimum=0, maximum=20))
     add_generation_prompt: bool = Field(
         True, description="End the templated prompt with the assistant's turn header.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if non-empty).")

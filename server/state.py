@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from server.lifecycle import Lifecycle, ServerLimits
 from server.metrics import ServerMetrics
 
@@ -28,8 +28,8 @@ class ServerState:
     lifecycle: Lifecycle | None = None
     # /health: how long the engine core may take to answer a ping, and how long a busy
     # core that does not answer still counts as alive (see AsyncEngine.check_health).
-    health_ping_timeout_s: float = 0.05
-    health_step_timeout_s: float = 60.0
+    health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
+    health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:

@@ -5,7 +5,7 @@
     FakeServerProcess(tokenizer_dir, ...)                          the same in a subprocess
                                                                    (main thread: real signals)
     metric(text, name)                                             a value from /metrics
-    child_pids(pid)                                                a process's children
+    child_pids(pid), wait_gone(pids)                               a process's children
     sse_data(text)                                                 the data lines of a stream
 
 Run as a script, this module is FakeServerProcess's server:
@@ -140,6 +140,27 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float = 3.0) -> dict[int, str]:
+    """Wait until none of `pids` is alive; return the survivors' command lines.
+
+    (multiprocessing's resource tracker leaves a moment after its parent: it exits when
+    it reads the end of the pipe the parent held.)
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pid for pid in pids if pid_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    survivors = {}
+    for pid in alive:
+        try:
+            survivors[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            pass
+    return survivors
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:

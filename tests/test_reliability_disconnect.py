@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server.lifecycle import ServerLimits
-from tests.reliability_fixtures import metric, sse_data, start_server
+from tests.reliability_fixtures import metric, start_server
 from tests.server_fixtures import build_tokenizer_dir
 
 STEP_S = 0.01

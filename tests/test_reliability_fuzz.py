@@ -10,6 +10,8 @@ caps (n, prompts per request), so that any valid request finishes in millisecond
 
 from __future__ import annotations
 
+from collections import Counter
+
 import httpx
 import pytest
 import schemathesis
@@ -85,15 +87,16 @@ def test_fuzz(api_schema, http_session, label, mode):
               suppress_health_check=list(HealthCheck), phases=[Phase.generate])
     def fuzz(case, served):
         if served and isinstance(case.body, dict):
-            # A random `model` is a 404 and a random `priority` a 400 (fcfs server): in
-            # half the valid cases name the served model and keep the default priority,
-            # so that they reach the engine.
-            case.body.pop("model", None)
-            case.body.pop("priority", None)
+            # A random `model` is a 404; a random `priority` (fcfs server), `best_of`
+            # (!= n) or `suffix` a 400: in half the cases leave them out, so that more
+            # requests reach the engine.
+            for field in ("model", "priority", "best_of", "suffix"):
+                case.body.pop(field, None)
         response = case.call_and_validate(session=http_session, checks=CHECKS, timeout=30)
         statuses.append(response.status_code)
 
     fuzz()
+    print(f"\n{label} ({mode.value}): statuses {dict(sorted(Counter(statuses).items()))}")
     assert len(statuses) >= 50, len(statuses)
     if mode is GenerationMode.POSITIVE and label != "GET /v1/models":
         # Enough valid requests got through validation to exercise the engine path.

@@ -7,6 +7,8 @@ by its cached context.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -33,24 +35,58 @@ def write_to_kv_cache(
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len_max: int
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len_max: int,
+    scratch: ScratchBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `seq_len_max` positions for each row of `block_ids`.
 
     block_ids [B, nb] -> K, V [B, nb * block_size (trimmed to seq_len_max), Hkv, D]
+
+    With `scratch`, the copies land in reused buffers: a fresh multi-MB tensor per
+    layer and step costs the kernel page faults that take longer than the copy itself.
     """
     num_reqs = block_ids.shape[0]
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     num_blocks_needed = -(-seq_len_max // block_size)
     ids = block_ids[:, :num_blocks_needed].reshape(-1)
     shape = (num_reqs, num_blocks_needed * block_size, num_kv_heads, head_size)
-    keys = kv_cache[0].index_select(0, ids).view(shape)[:, :seq_len_max]
-    values = kv_cache[1].index_select(0, ids).view(shape)[:, :seq_len_max]
-    return keys, values
+    if scratch is None:
+        keys = kv_cache[0].index_select(0, ids)
+        values = kv_cache[1].index_select(0, ids)
+    else:
+        block_shape = (len(ids), *kv_cache.shape[2:])
+        keys = torch.index_select(kv_cache[0], 0, ids, out=scratch.get("k", block_shape, kv_cache))
+        values = torch.index_select(kv_cache[1], 0, ids,
+                                    out=scratch.get("v", block_shape, kv_cache))
+    return keys.view(shape)[:, :seq_len_max], values.view(shape)[:, :seq_len_max]
+
+
+class ScratchBuffers:
+    """Named flat buffers that grow to the largest size asked for and are reused."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if (buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype
+                or buffer.device != like.device):
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
+
+# Decodes are batched in groups of requests of similar length, so one long context
+# does not make every request in the batch pad (and copy) up to its length.
+DECODE_GROUP_SIZE = 16
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self.scratch = ScratchBuffers()
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
         num_tokens = metadata.num_actual_tokens
@@ -65,18 +101,22 @@ class TorchAttentionBackend(AttentionBackend):
         query_lens = metadata.query_lens_np
         decode_reqs = np.flatnonzero(query_lens == 1)
         if len(decode_reqs):
-            self._decode(query, kv_cache, metadata, decode_reqs, scale, out)
+            by_length = decode_reqs[np.argsort(metadata.seq_lens_np[decode_reqs], kind="stable")]
+            num_groups = -(-len(by_length) // DECODE_GROUP_SIZE)
+            for group in np.array_split(by_length, num_groups):
+                self._decode(query, kv_cache, metadata, group, scale, out)
         for req in np.flatnonzero(query_lens > 1):
             self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
         return out
 
     def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
-        """All single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D]."""
+        """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D]."""
         token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs]).to(query.device)
         seq_lens_np = metadata.seq_lens_np[decode_reqs]
         max_len = int(seq_lens_np.max())
         req_idx = torch.from_numpy(decode_reqs).to(query.device)
-        keys, values = gather_context(kv_cache, metadata.block_table[req_idx], max_len)
+        keys, values = gather_context(kv_cache, metadata.block_table[req_idx], max_len,
+                                      self.scratch)
         num_kv_heads = keys.shape[2]
         q = query[token_idx]  # [B, Hq, D]
         batch, num_heads, head_size = q.shape
@@ -97,7 +137,8 @@ class TorchAttentionBackend(AttentionBackend):
         if seq_len == end - start:  # nothing cached before: the new K/V are the context
             keys, values = key[start:end], value[start:end]
         else:
-            keys, values = gather_context(kv_cache, metadata.block_table[req : req + 1], seq_len)
+            keys, values = gather_context(kv_cache, metadata.block_table[req : req + 1], seq_len,
+                                          self.scratch)
             keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)
         out[start:end] = _causal_attention(q, keys, values, scale)
 
