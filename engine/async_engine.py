@@ -62,6 +62,9 @@ HEALTH_STEP_TIMEOUT_S = 60.0
 # A core with nothing to do answers at once; one that has not (a loaded machine) gets
 # this much longer before it counts as stuck.
 _IDLE_PING_GRACE_S = 1.0
+# A message from the core's loop (a step's outputs, a Pong) this recent is proof
+# enough: no Ping needed, so a busy engine's health check costs nothing.
+_FRESH_MESSAGE_S = 1.0
 
 
 class EngineRequestError(RuntimeError):
@@ -587,27 +590,31 @@ class AsyncEngine:
         """Return if the engine core is serving; raise EngineDeadError if it is gone,
         EngineUnresponsiveError if it is stuck.
 
-        Serving: its busy loop answers a Ping within `ping_timeout_s` (it answers between
-        two steps), or, when one step takes longer than that, the core showed progress
-        within `step_timeout_s` (a step's outputs arrived, a Pong, or it was given work
-        while idle). Takes about `ping_timeout_s` at most, unless the core has been
-        quiet for longer than `step_timeout_s`: then its Ping gets another second.
+        Serving means the core's busy loop shows progress, through the same sockets and
+        loop that requests take:
+          * it sent something (a step's outputs, a Pong) within the last second; or
+          * it answers a Ping within `ping_timeout_s` (it answers between two steps); or
+          * it has requests and is in a step longer than that, begun or last finished
+            within `step_timeout_s`.
+        An idle core answers at once; one that has not gets another second's grace
+        before it counts as stuck. Takes about `ping_timeout_s` at most otherwise.
         """
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         self.client.check_alive()  # a dead process is reported now, not at the next poll
+        if time.monotonic() - self.client.last_message_time < _FRESH_MESSAGE_S:
+            return
         if await self.client.ping_async(ping_timeout_s):
             return
-        quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
-        if quiet_s <= step_timeout_s:
-            return  # busy with a long step
+        if self._requests:
+            quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
+            if quiet_s <= step_timeout_s:
+                return  # busy with a long step
         if await self.client.ping_async(_IDLE_PING_GRACE_S):
             return
-        quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
-        if quiet_s > step_timeout_s:
-            raise EngineUnresponsiveError(
-                f"the engine core has not answered a ping or finished a step for "
-                f"{quiet_s:.1f} s")
+        quiet_s = time.monotonic() - self.client.last_message_time
+        what = "finished a step" if self._requests else "answered a ping while idle"
+        raise EngineUnresponsiveError(f"the engine core has not {what} for {quiet_s:.1f} s")
 
     async def shutdown(self) -> None:
         if self._output_task is not None:
