@@ -157,8 +157,8 @@ class RequestStream:
     """The outputs of one request, as an async iterator (the last one has `finished`).
 
     Raises EngineRequestError if the engine fails the request (with `engine_dead` set
-    when the engine died meanwhile). `aclose()`, or leaving `__anext__` by an exception or a
-    cancellation, aborts the request if it is still unfinished.
+    when the engine died meanwhile). `aclose()`, or leaving `__anext__` by an exception
+    or a cancellation, aborts the request if it is still unfinished.
     """
 
     def __init__(self, engine: AsyncEngine, state: _RequestState):

@@ -121,14 +121,17 @@ async def _warm_up() -> None:
 
     * Import now what the first requests would import lazily: anyio's asyncio backend
       (Starlette's streaming responses use its task groups) blocks the loop for 0.2-0.7 s.
-    * Freeze the start-up heap (torch, transformers, the tokenizer: some 300k objects) out
-      of the garbage collector's reach: otherwise every full collection walks all of it,
+    * When the server owns the process (it runs in the main thread: the CLI), freeze the
+      start-up heap (torch, transformers, the tokenizer: some 300k objects) out of the
+      garbage collector's reach: otherwise every full collection walks all of it,
       100-400 ms with the loop blocked, and a burst of requests triggers several.
+      `serve()` unfreezes it when it ends.
     """
     async with anyio.create_task_group():
         pass
-    gc.collect()
-    gc.freeze()
+    if threading.current_thread() is threading.main_thread():
+        gc.collect()
+        gc.freeze()
 
 
 class APIServer:
@@ -148,6 +151,12 @@ class APIServer:
         self.state: ServerState | None = None
         self.socket: socket.socket | None = None
         self._uvicorn: uvicorn.Server | None = None
+        # Stopping (see the module doc): the serving loop, its stop event, and whether a
+        # stop was asked for (before serve() started, too) or forced by a second signal.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = False
+        self._force = False
 
     @property
     def url(self) -> str:
@@ -216,10 +225,8 @@ class APIServer:
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not serving.done():
-                if not self._force:
-                    await self.state.lifecycle.drain(self.options.shutdown_timeout_s)
-                else:
-                    await self.state.lifecycle.drain(0.0)
+                await self.state.lifecycle.drain(
+                    0.0 if self._force else self.options.shutdown_timeout_s)
                 self._uvicorn.should_exit = True
             await serving
         finally:
@@ -230,16 +237,12 @@ class APIServer:
             finally:
                 for sig in signals:  # kept until here: a signal must not cut the clean-up
                     loop.remove_signal_handler(sig)
+                gc.unfreeze()
             logger.info("server stopped")
 
     async def run(self) -> None:
         await self.start()
         await self.serve()
-
-    _loop: asyncio.AbstractEventLoop | None = None
-    _stop: asyncio.Event | None = None
-    _stop_requested = False
-    _force = False
 
     def _on_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name

@@ -103,15 +103,16 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
 
     request_id = new_request_id("cmpl")
     created = int(time.time())
-    active = await state.lifecycle.start(
-        [(f"{request_id}-{p}", ids, text) for p, (text, ids) in enumerate(prompts)], params,
-        priority=body.priority, cache_salt=body.cache_salt)
-    streams = active.streams
     formatter = _LogprobFormatter(state, body.logprobs or 0) if want_logprobs else None
     echo_texts = [
         (text if text is not None else state.tokenizer.decode(ids)) if body.echo else ""
         for text, ids in prompts
     ]
+    # From here on the engine has the request: it ends with the response (see below).
+    active = await state.lifecycle.start(
+        [(f"{request_id}-{p}", ids, text) for p, (text, ids) in enumerate(prompts)], params,
+        priority=body.priority, cache_salt=body.cache_salt)
+    streams = active.streams
     if body.stream:
         return EngineStreamingResponse(
             _stream(state, body, raw_request, request_id, created, prompts, active, formatter,

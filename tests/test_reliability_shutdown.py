@@ -1,0 +1,155 @@
+"""SIGTERM: the server stops accepting (503 for new requests and /health), lets the
+requests in flight finish for up to --shutdown-timeout seconds, aborts the rest
+(finish_reason "abort"), stops the engine-core process and exits 0 with no child
+process left behind.
+
+The server runs in a subprocess (so that SIGTERM is a real signal to a real main
+thread), over the echo FakeExecutor with 20 ms steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.reliability_fixtures import FakeServerProcess, child_pids, wait_gone
+from tests.server_fixtures import build_tokenizer_dir
+
+STEP_S = 0.02
+MAX_MODEL_LEN = 2100
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def start(tokenizer_dir):
+    procs = []
+
+    def start_server(shutdown_timeout_s: float) -> tuple[FakeServerProcess, str, list[int]]:
+        proc = FakeServerProcess(tokenizer_dir, shutdown_timeout_s=shutdown_timeout_s,
+                                 max_model_len=MAX_MODEL_LEN,
+                                 executor_kwargs={"step_delay_s": STEP_S,
+                                                  "max_model_len": MAX_MODEL_LEN})
+        procs.append(proc)
+        url = proc.wait_for_url()
+        children = child_pids(proc.pid)
+        assert children, "the engine core process should be a child of the server"
+        return proc, url, children
+
+    yield start_server
+    for proc in procs:
+        if proc.process.poll() is None:
+            proc.kill()
+
+
+class StreamReader(threading.Thread):
+    """Streams a completion in the background; `first_event` is set on the first chunk."""
+
+    def __init__(self, url: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url = url
+        self.max_tokens = max_tokens
+        self.first_event = threading.Event()
+        self.events: list[str] = []
+        self.status: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", timeout=60, json={
+                    "prompt": "The quick brown fox", "max_tokens": self.max_tokens,
+                    "ignore_eos": True, "stream": True, "temperature": 0}) as response:
+                self.status = response.status_code
+                assert self.status == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self.first_event.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.first_event.set()
+
+    def finish_reasons(self) -> list[str]:
+        chunks = [json.loads(e) for e in self.events if e != "[DONE]"]
+        return [c["choices"][0]["finish_reason"] for c in chunks
+                if c.get("choices") and c["choices"][0]["finish_reason"]]
+
+
+def wait_exit(proc: FakeServerProcess, timeout_s: float) -> tuple[int, float]:
+    started = time.monotonic()
+    code = proc.process.wait(timeout_s)
+    return code, time.monotonic() - started
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(start):
+    proc, url, children = start(shutdown_timeout_s=20)
+    stream = StreamReader(url, max_tokens=100)  # ~2 s
+    stream.start()
+    assert stream.first_event.wait(10) and stream.error is None
+    proc.process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    # Draining: new requests and /health get 503 while the stream goes on.
+    new = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+    assert new.status_code == 503, new.text
+    assert new.json()["error"]["code"] == "server_shutting_down"
+    assert new.headers.get("retry-after")
+    health = httpx.get(url + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
+    assert proc.process.poll() is None and stream.is_alive()
+    # The in-flight request completes; then the server exits 0, its engine process gone.
+    stream.join(20)
+    assert stream.error is None and stream.status == 200
+    assert stream.events[-1] == "[DONE]" and stream.finish_reasons() == ["length"]
+    code, _ = wait_exit(proc, 15)
+    assert code == 0, "\n".join(proc.lines[-30:])
+    assert not wait_gone(children)
+    log = "\n".join(proc.lines)
+    assert "received SIGTERM" in log and "server stopped" in log
+
+
+def test_sigterm_with_zero_timeout_aborts_and_exits(start):
+    proc, url, children = start(shutdown_timeout_s=0)
+    stream = StreamReader(url, max_tokens=2000)  # ~40 s if it were left to run
+    stream.start()
+    assert stream.first_event.wait(10) and stream.error is None
+    signalled = time.monotonic()
+    proc.process.send_signal(signal.SIGTERM)
+    code, _ = wait_exit(proc, 10)
+    exit_s = time.monotonic() - signalled
+    assert code == 0, "\n".join(proc.lines[-30:])
+    assert exit_s < 5, exit_s
+    stream.join(5)
+    # The stream was aborted, not cut: a finish_reason "abort" chunk, an error, [DONE].
+    assert stream.error is None, stream.error
+    assert stream.events[-1] == "[DONE]", stream.events[-3:]
+    assert stream.finish_reasons() == ["abort"]
+    assert json.loads(stream.events[-2])["error"]["code"] == "server_shutting_down"
+    assert not wait_gone(children)
+    log = "\n".join(proc.lines)
+    assert "aborting 1 unfinished request(s)" in log
+    print(f"\nexited {exit_s:.2f} s after SIGTERM")
+
+
+def test_second_signal_is_a_forced_stop(start):
+    proc, url, children = start(shutdown_timeout_s=60)
+    stream = StreamReader(url, max_tokens=2000)
+    stream.start()
+    assert stream.first_event.wait(10)
+    proc.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.process.poll() is None  # draining: up to 60 s
+    proc.process.send_signal(signal.SIGINT)
+    code, exit_s = wait_exit(proc, 10)
+    assert code == 0 and exit_s < 5, (code, exit_s)
+    stream.join(5)
+    assert stream.finish_reasons() == ["abort"] and stream.events[-1] == "[DONE]"
+    assert not wait_gone(children)
