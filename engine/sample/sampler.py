@@ -278,7 +278,8 @@ def _top_k_top_p(
         k = None
         mass = torch.ones(num_reqs, dtype=probs.dtype, device=probs.device)
     threshold = (top_p * mass).unsqueeze(1)
-    count = (above < threshold).sum(dim=-1)
+    # At least one token survives, even when top_p * mass underflows to 0.
+    count = (above < threshold).sum(dim=-1).clamp(min=1)
     if k is not None:
         count = torch.minimum(count, k)
     cutoff = values.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
@@ -289,6 +290,6 @@ def _top_k_top_p(
         if redo.numel():
             full = probs[redo].sort(dim=-1, descending=True).values
             full_above = F.pad(full.cumsum(dim=-1)[:, :-1], (1, 0))
-            full_count = (full_above < threshold[redo]).sum(dim=-1)
+            full_count = (full_above < threshold[redo]).sum(dim=-1).clamp(min=1)
             cutoff[redo] = full.gather(1, (full_count - 1).unsqueeze(1)).squeeze(1)
     return _Filtered(cutoff, values, ids)
