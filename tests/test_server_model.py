@@ -200,3 +200,18 @@ def test_cli_reports_engine_startup_errors(checkpoint):
     errors = [line for line in proc.lines if line.startswith("error:")]
     assert errors and "the engine failed to start" in errors[0]
     assert "100000" in errors[0], "\n".join(proc.lines[-20:])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_live_run_against_pagedserve(server, checkpoint, endpoint):
+    """The serving benchmark, end to end against this real server: no failed request."""
+    from tests.test_bench_serve import run_bench
+
+    metrics = run_bench(
+        server.url + "/v1", "--api-key", API_KEY, "--model", "tiny", "--endpoint", endpoint,
+        "--tokenizer", str(checkpoint), "--num-prompts", "8", "--random-input-len", "24",
+        "--random-output-len", "12", "--max-concurrency", "4", "--seed", "0",
+    )
+    assert (metrics.completed, metrics.failed) == (8, 0)
+    assert metrics.total_output_tokens > 0
+    assert 1 <= metrics.peak_concurrency <= 4
