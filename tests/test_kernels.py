@@ -191,6 +191,41 @@ def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
         assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size):
+    """The CPU backend, in its own head-major cache layout, on the same mixed batch.
+
+    Its decode groups run one SDPA over padded contexts with a mask, and a masked
+    NaN would still poison the softmax, so unwritten slots hold large finite garbage
+    (a real cache is zeroed, then holds stale but finite values).
+    """
+    from engine.attention.backends.torch_backend import TorchAttentionBackend
+    from engine.attention.metadata import AttentionMetadata
+
+    batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, 64, block_size)
+    batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
+    backend = TorchAttentionBackend()
+    num_blocks = batch.kv_cache.shape[1]
+    assert backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, 64) == (
+        2, num_kv_heads, num_blocks, block_size, 64)
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    metadata = AttentionMetadata(
+        num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
+        max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_table=batch.block_table,
+        slot_mapping=batch.slot_mapping, query_start_loc_np=batch.query_start_loc.numpy(),
+        seq_lens_np=batch.seq_lens.numpy(),
+    )
+    scale = 64**-0.5
+    out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale)
+    expected = naive_attention(batch, scale)
+    torch.testing.assert_close(out[: batch.num_real], expected, rtol=1e-5, atol=1e-5)
+    # It wrote the step's K/V where the reference writes them, and nothing else.
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    assert_same_cache(head_major.permute(0, 2, 3, 1, 4), batch.kv_cache)
+
+
 def test_import_without_triton():
     """`import kernels` must not import triton, and the references must work without it."""
     code = """

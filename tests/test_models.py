@@ -158,17 +158,17 @@ def test_paged_chunked_prefill_and_decode_match_hf(tmp_path, prompts):
     model_dir = build_tiny_checkpoint(tmp_path, "qwen3")
     ours = load_model(model_dir, torch.float32, "cpu")
     block_size, num_blocks = 4, 32
+    backend = TorchAttentionBackend()
     for layer in ours.modules():
         if isinstance(layer, Attention):
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads,
-                                         layer.head_size)
+            layer.kv_cache = torch.zeros(backend.kv_cache_shape(
+                num_blocks, block_size, layer.num_kv_heads, layer.head_size))
     requests = prompts[:2]
     block_ids = [[3, 1, 7, 5, 11, 12, 13, 14, 15, 16], [2, 9, 4, 17, 18]]
     # tokens scheduled per request and step: prefill chunks, then single-token decodes
     schedule = [[5, 3], [len(requests[0]) - 5, 1], [0, 1], [0, len(requests[1]) - 5]]
     computed = [0, 0]
     collected: list[list[torch.Tensor]] = [[], []]
-    backend = TorchAttentionBackend()
     for step in schedule:
         reqs = [r for r in range(2) if step[r] > 0]
         positions = np.concatenate([np.arange(computed[r], computed[r] + step[r]) for r in reqs])

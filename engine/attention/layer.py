@@ -11,8 +11,8 @@ from engine.attention.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged attention over this layer's slice of the KV cache.
 
-    `kv_cache` is set once by the model runner after it sizes the cache
-    (`[2, num_blocks, block_size, num_kv_heads, head_size]`); the layer writes the
+    `kv_cache` is set once by the model runner after it sizes the cache (in the
+    backend's `kv_cache_shape` layout); the layer writes the
     step's new K/V into it and reads its context from it. Inputs and output are
     flat per token: q [T, num_heads * head_size], k/v [T, num_kv_heads * head_size].
     """

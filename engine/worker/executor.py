@@ -88,7 +88,8 @@ class ModelExecutor:
                     "(--kv-cache-memory on CPU, --gpu-memory-utilization on GPU) or lower "
                     "--max-model-len"
                 )
-        self.runner.bind_kv_caches(kv_cache_init.allocate_kv_caches(specs, num_blocks, device))
+        self.runner.bind_kv_caches(kv_cache_init.allocate_kv_caches(
+            specs, num_blocks, device, backend.kv_cache_shape))
         num_tokens = num_blocks * block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s, %s backend); "

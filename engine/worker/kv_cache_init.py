@@ -3,11 +3,13 @@
     1. collect each attention layer's spec (KV heads, head size, dtype, block size)
     2. measure the memory left for KV after the weights and a profiling forward pass
     3. num_blocks = available_bytes // bytes of one block across all layers
-    4. allocate each layer's tensor once: [2, num_blocks, block_size, kv_heads, head_size]
+    4. allocate each layer's tensor once, in the attention backend's layout
+       (e.g. [2, num_blocks, block_size, kv_heads, head_size])
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,13 +71,16 @@ def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int) -> int:
 
 
 def allocate_kv_caches(
-    specs: list[KVCacheSpec], num_blocks: int, device: torch.device
+    specs: list[KVCacheSpec], num_blocks: int, device: torch.device,
+    shape_of: Callable[[int, int, int, int], tuple[int, ...]],
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN)."""
+    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN).
+
+    `shape_of(num_blocks, block_size, num_kv_heads, head_size)` is the attention
+    backend's `kv_cache_shape`: the layout is the backend's choice.
+    """
     return [
-        torch.zeros(
-            (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size),
-            dtype=spec.dtype, device=device,
-        )
+        torch.zeros(shape_of(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size),
+                    dtype=spec.dtype, device=device)
         for spec in specs
     ]

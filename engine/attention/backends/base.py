@@ -12,11 +12,19 @@ from engine.attention.metadata import AttentionMetadata
 class AttentionBackend(ABC):
     """Writes a step's new K/V into the paged cache, then attends over it.
 
-    Cache layout, one tensor per layer, allocated once by the runner:
+    One cache tensor per layer, allocated once by the runner in the shape the
+    backend asks for (`kv_cache_shape`). The default, token-major layout is what
+    the Triton kernels and flash-attn read:
         kv_cache[0 | 1, block_id, offset_in_block, kv_head, head_dim]   (K | V)
     """
 
     name: str = "base"
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's cache tensor (element count is the same for all)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @abstractmethod
     def forward(

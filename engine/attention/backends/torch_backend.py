@@ -1,8 +1,16 @@
 """The torch attention backend: the CPU default and the reference for the others.
 
-Decodes (query length 1) of the whole batch run as one batched SDPA over their
-gathered blocks; each prefill chunk runs its own SDPA with a causal mask offset
-by its cached context.
+Its cache is head-major, one tensor per layer:
+
+    kv_cache[0 | 1, kv_head, block_id, offset_in_block, head_dim]   (K | V)
+
+so gathering a request's blocks along the block dimension leaves each head's
+context as one contiguous [seq_len, head_dim] run: the layout SDPA's CPU kernel
+is fast on, with no transpose copy after the gather.
+
+Decodes (query length 1) run as batched SDPAs over their gathered blocks, in
+groups of similar length; each prefill chunk runs its own SDPA with a causal
+mask offset by its cached context.
 """
 
 from __future__ import annotations
@@ -21,44 +29,54 @@ def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     all_slots_valid: bool,
 ) -> None:
-    """kv_cache[:, slot // block_size, slot % block_size] = (key, value), skipping -1.
+    """kv_cache[:, :, slot // block_size, slot % block_size] = (key, value), skipping -1.
 
-    Example (block_size 4): slot 9 -> block 2, offset 1.
+    key/value [T, Hkv, D]. Example (block_size 4): slot 9 -> block 2, offset 1,
+    which is row 9 of the cache viewed as [2, Hkv, num_blocks * block_size, D].
     """
-    num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
+    flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_size)
     if not all_slots_valid:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat[0].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
+    flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
 
 def gather_context(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len_max: int,
     scratch: ScratchBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `seq_len_max` positions for each row of `block_ids`.
+    """K and V of the first `seq_len_max` positions of each row of `block_ids`.
 
-    block_ids [B, nb] -> K, V [B, nb * block_size (trimmed to seq_len_max), Hkv, D]
+    block_ids [B, nb] -> K, V [B, Hkv, seq_len_max, D] (views; each (request, head)
+    slice is contiguous). One index_select over the cache seen as a flat list of
+    [block_size, D] tiles, tile (kv, head, block) at (kv * Hkv + head) * num_blocks
+    + block: torch's fastest gather (whole contiguous rows along dim 0).
+
+    Example, Hkv 1, num_blocks 10, block_size 4, seq_len_max 6, block_ids
+    [[3, 1, 8], [2, 9, 5]]: two blocks per request are needed, so the tiles read
+    are K: 3 1 2 9, V: 13 11 12 19 -> [2 (K|V), 1 head, 2 requests, 8 positions]
+    -> first 6 positions kept.
 
     With `scratch`, the copies land in reused buffers: a fresh multi-MB tensor per
     layer and step costs the kernel page faults that take longer than the copy itself.
     """
     num_reqs = block_ids.shape[0]
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     num_blocks_needed = -(-seq_len_max // block_size)
-    ids = block_ids[:, :num_blocks_needed].reshape(-1)
-    shape = (num_reqs, num_blocks_needed * block_size, num_kv_heads, head_size)
+    ids = block_ids[:, :num_blocks_needed].reshape(-1).long()
+    tile_starts = torch.arange(2 * num_kv_heads, device=ids.device) * num_blocks
+    tile_ids = (tile_starts[:, None] + ids[None, :]).reshape(-1)
+    tiles = kv_cache.view(2 * num_kv_heads * num_blocks, block_size, head_size)
     if scratch is None:
-        keys = kv_cache[0].index_select(0, ids)
-        values = kv_cache[1].index_select(0, ids)
+        gathered = tiles.index_select(0, tile_ids)
     else:
-        block_shape = (len(ids), *kv_cache.shape[2:])
-        keys = torch.index_select(kv_cache[0], 0, ids, out=scratch.get("k", block_shape, kv_cache))
-        values = torch.index_select(kv_cache[1], 0, ids,
-                                    out=scratch.get("v", block_shape, kv_cache))
-    return keys.view(shape)[:, :seq_len_max], values.view(shape)[:, :seq_len_max]
+        out = scratch.get("kv", (len(tile_ids), block_size, head_size), kv_cache)
+        gathered = torch.index_select(tiles, 0, tile_ids, out=out)
+    per_request = (2, num_kv_heads, num_reqs, num_blocks_needed * block_size, head_size)
+    kv = gathered.view(per_request).transpose(1, 2)[:, :, :, :seq_len_max]
+    return kv[0], kv[1]
 
 
 class ScratchBuffers:
@@ -88,6 +106,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.scratch = ScratchBuffers()
 
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_kv_heads, num_blocks, block_size, head_size)
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
         num_tokens = metadata.num_actual_tokens
         out = torch.empty_like(query)
@@ -110,24 +131,25 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
-        """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D]."""
+        """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D].
+
+        The query heads sharing a KV head act as that head's `group` query rows.
+        """
         token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs]).to(query.device)
         seq_lens_np = metadata.seq_lens_np[decode_reqs]
         max_len = int(seq_lens_np.max())
         req_idx = torch.from_numpy(decode_reqs).to(query.device)
         keys, values = gather_context(kv_cache, metadata.block_table[req_idx], max_len,
                                       self.scratch)
-        num_kv_heads = keys.shape[2]
+        num_kv_heads = keys.shape[1]
         q = query[token_idx]  # [B, Hq, D]
         batch, num_heads, head_size = q.shape
         q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)
         seq_lens = torch.from_numpy(seq_lens_np).to(query.device)
         positions = torch.arange(max_len, device=query.device)
         mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
-        # Head-major contiguous K/V: SDPA's CPU kernel is ~3x faster on them, copy included.
         attn = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2).to(q.dtype).contiguous(),
-            values.transpose(1, 2).to(q.dtype).contiguous(), attn_mask=mask, scale=scale,
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
         )
         out[token_idx] = attn.reshape(batch, num_heads, head_size)
 
@@ -136,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_len = int(metadata.seq_lens_np[req])
         q = query[start:end]
         if seq_len == end - start:  # nothing cached before: the new K/V are the context
-            keys, values = key[start:end], value[start:end]
+            keys, values = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
             keys, values = gather_context(kv_cache, metadata.block_table[req : req + 1], seq_len,
                                           self.scratch)
@@ -148,12 +170,13 @@ class TorchAttentionBackend(AttentionBackend):
         for req in range(metadata.num_reqs):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _causal_attention(
-                query[start:end], key[start:end], value[start:end], scale
+                query[start:end], key[start:end].transpose(0, 1),
+                value[start:end].transpose(0, 1), scale,
             )
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """q [L, Hq, D] are the LAST L positions of a context k, v [S, Hkv, D].
+    """q [L, Hq, D] are the LAST L positions of a head-major context k, v [Hkv, S, D].
 
     Query i sits at position S - L + i and sees keys 0 .. S - L + i:
 
@@ -164,11 +187,11 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     KV heads are expanded to the query heads and inputs made 4-D: that is what lets
     SDPA take its fused CPU kernel instead of the slower math path.
     """
-    query_len, seq_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
+    query_len, seq_len = q.shape[0], k.shape[1]
+    group = q.shape[1] // k.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
+    vh = v.repeat_interleave(group, dim=0).unsqueeze(0)
     if query_len == seq_len:
         result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
