@@ -57,6 +57,11 @@ ENV PYTHONUNBUFFERED=1 \
     PAGEDSERVE_HOST=0.0.0.0 \
     PAGEDSERVE_PORT=8000 \
     HOME=/home/pagedserve
+# g++ builds the C++ CPU decode-attention kernel on first start (kernels/cpu_decode.py,
+# cached under HOME); without it the server falls back to the slower pure-torch path.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && rm -rf /var/lib/apt/lists/*
 # uid 1000 runs the server (some base images already have a user with that uid: reuse it);
 # HOME is writable for the Triton and torch caches.
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/tmp/wheels \

@@ -26,9 +26,9 @@ from server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
+    UsageInfo,
 )
 from server.serving_common import (
-    SSE_DONE,
     EngineStreamingResponse,
     apply_chat_template,
     build_sampling_params,
@@ -41,7 +41,7 @@ from server.serving_common import (
     record_user,
     run_until_disconnect,
     sse,
-    sse_error,
+    sse_body,
 )
 from server.state import ServerState
 
@@ -82,8 +82,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
                                          priority=body.priority, cache_salt=body.cache_salt)
     if body.stream:
+        finals: list[RequestOutput | None] = [None]
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = _chunks(state, body, request_id, created, active, num_top, finals)
+        usage_chunk = _usage_chunk(state, request_id, created) if include_usage else None
         return EngineStreamingResponse(
-            _stream(state, body, raw_request, request_id, created, active, num_top), active)
+            sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
     async def collect() -> RequestOutput:
         final = None
@@ -113,54 +117,49 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                   choices=choices, usage=usage)
 
 
-async def _stream(
+async def _chunks(
     state: ServerState,
     body: ChatCompletionRequest,
-    raw_request: Request,
     request_id: str,
     created: int,
     active: ActiveRequest,
     num_top: int,
+    finals: list[RequestOutput | None],
 ) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+    """The chat chunks of a stream; `sse_body` adds usage, errors and [DONE]."""
+    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
         return sse(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=choices, usage=usage,
+            id=request_id, created=created, model=state.model_name, choices=choices,
         ).model_dump_json())
 
     finish_sent = [False] * body.n
-    final: RequestOutput | None = None
-    try:
-        for index in range(body.n):
+    for index in range(body.n):
+        yield chunk([ChatCompletionStreamChoice(
+            index=index, delta=DeltaMessage(role="assistant", content=""))])
+    async for request_output in active.streams[0]:
+        finals[0] = request_output
+        for output in request_output.outputs:
+            if finish_sent[output.index]:
+                continue
+            logprobs = None
+            if body.logprobs and output.delta_logprobs:
+                logprobs = _chat_logprobs(output.delta_logprobs, num_top)
+            finished = output.finished
+            if not output.delta_text and not finished and logprobs is None:
+                continue
+            finish_sent[output.index] = finished
             yield chunk([ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(role="assistant", content=""))])
-        async for request_output in active.streams[0]:
-            final = request_output
-            for output in request_output.outputs:
-                if finish_sent[output.index]:
-                    continue
-                logprobs = None
-                if body.logprobs and output.delta_logprobs:
-                    logprobs = _chat_logprobs(output.delta_logprobs, num_top)
-                finished = output.finished
-                if not output.delta_text and not finished and logprobs is None:
-                    continue
-                finish_sent[output.index] = finished
-                yield chunk([ChatCompletionStreamChoice(
-                    index=output.index,
-                    delta=DeltaMessage(content=output.delta_text),
-                    logprobs=logprobs,
-                    finish_reason=output.finish_reason if finished else None,
-                    stop_reason=output.stop_reason if finished else None,
-                )])
-        usage = make_usage([final])
-        record_usage(raw_request, usage)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield chunk([], usage)
-        if (error := active.error()) is not None:  # aborted by the server (deadline, shutdown)
-            raw_request.state.stream_error = True
-            yield sse(error.to_json())
-    except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
-        raw_request.state.stream_error = True
-        state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)
-        yield sse_error(exc)
-    yield SSE_DONE
+                index=output.index,
+                delta=DeltaMessage(content=output.delta_text),
+                logprobs=logprobs,
+                finish_reason=output.finish_reason if finished else None,
+                stop_reason=output.stop_reason if finished else None,
+            )])
+
+
+def _usage_chunk(state: ServerState, request_id: str, created: int):
+    def chunk(usage: UsageInfo) -> str:
+        return sse(ChatCompletionStreamResponse(
+            id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
+        ).model_dump_json())
+    return chunk

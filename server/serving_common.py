@@ -4,8 +4,9 @@ sampling parameters, SSE framing, stream merging, disconnect handling."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -198,6 +199,39 @@ def record_user(raw_request: Request, body: SamplingFields) -> None:
     """Tell the access log the request's `user` (the only thing `user` is used for)."""
     if body.user:
         raw_request.state.user = body.user
+
+
+async def sse_body(
+    state: ServerState,
+    raw_request: Request,
+    active: ActiveRequest,
+    chunks: AsyncIterator[str],
+    finals: list[RequestOutput | None],
+    usage_chunk: Callable[[UsageInfo], str] | None,
+) -> AsyncIterator[str]:
+    """The frame every streamed response shares, around the endpoint's own `chunks`.
+
+    After the chunks (which leave each prompt's last RequestOutput in `finals`):
+    the usage for the access log, a usage chunk when the client asked for one
+    (`usage_chunk`), the error of a server-side abort (deadline, shutdown). Any
+    exception becomes an in-band error event. Always ends with [DONE].
+    """
+    try:
+        async with contextlib.aclosing(chunks):
+            async for event in chunks:
+                yield event
+        usage = make_usage(finals)
+        record_usage(raw_request, usage)
+        if usage_chunk is not None:
+            yield usage_chunk(usage)
+        if (error := active.error()) is not None:
+            raw_request.state.stream_error = True
+            yield sse(error.to_json())
+    except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
+        raw_request.state.stream_error = True
+        state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)
+        yield sse_error(exc)
+    yield SSE_DONE
 
 
 async def merge_streams(

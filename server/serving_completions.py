@@ -21,9 +21,9 @@ from server.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    UsageInfo,
 )
 from server.serving_common import (
-    SSE_DONE,
     EngineStreamingResponse,
     build_sampling_params,
     check_common,
@@ -36,7 +36,7 @@ from server.serving_common import (
     record_user,
     run_until_disconnect,
     sse,
-    sse_error,
+    sse_body,
 )
 from server.state import ServerState
 
@@ -114,10 +114,13 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
         priority=body.priority, cache_salt=body.cache_salt)
     streams = active.streams
     if body.stream:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = _chunks(state, body, request_id, created, prompts, active, formatter,
+                         echo_texts, finals)
+        usage_chunk = _usage_chunk(state, request_id, created) if include_usage else None
         return EngineStreamingResponse(
-            _stream(state, body, raw_request, request_id, created, prompts, active, formatter,
-                    echo_texts),
-            active)
+            sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -167,77 +170,70 @@ def _choice_logprobs(formatter: _LogprobFormatter, final: RequestOutput,
     return merged
 
 
-async def _stream(
+async def _chunks(
     state: ServerState,
     body: CompletionRequest,
-    raw_request: Request,
     request_id: str,
     created: int,
     prompts: list[tuple[str | None, list[int]]],
     active: ActiveRequest,
     formatter: _LogprobFormatter | None,
     echo_texts: list[str],
+    finals: list[RequestOutput | None],
 ) -> AsyncIterator[str]:
+    """The completion chunks of a stream; `sse_body` adds usage, errors and [DONE]."""
     n = body.n
     num_choices = len(prompts) * n
     finish_sent = [False] * num_choices
     echo_pending = [body.echo] * num_choices
     offsets = [0] * num_choices
-    finals: list[RequestOutput | None] = [None] * len(prompts)
 
     def chunk(choice: CompletionStreamChoice) -> str:
         return sse(CompletionStreamResponse(
             id=request_id, created=created, model=state.model_name, choices=[choice],
         ).model_dump_json())
 
-    try:
-        async with contextlib.aclosing(merge_streams(active.streams)) as merged:
-            async for p, request_output in merged:
-                finals[p] = request_output
-                for output in request_output.outputs:
-                    index = p * n + output.index
-                    if finish_sent[index]:
-                        continue
-                    text = output.delta_text
-                    logprobs = None
+    async with contextlib.aclosing(merge_streams(active.streams)) as merged:
+        async for p, request_output in merged:
+            finals[p] = request_output
+            for output in request_output.outputs:
+                index = p * n + output.index
+                if finish_sent[index]:
+                    continue
+                text = output.delta_text
+                logprobs = None
+                if formatter is not None:
+                    logprobs = CompletionLogProbs()
+                if echo_pending[index]:
+                    echo_pending[index] = False
+                    text = echo_texts[p] + text
                     if formatter is not None:
-                        logprobs = CompletionLogProbs()
-                    if echo_pending[index]:
-                        echo_pending[index] = False
-                        text = echo_texts[p] + text
-                        if formatter is not None:
-                            prompt_logprobs = (request_output.prompt_logprobs
-                                               or [None] * request_output.num_prompt_tokens)
-                            logprobs, _ = formatter.format(
-                                prompt_logprobs, request_output.prompt_token_ids, 0)
-                            offsets[index] = len(echo_texts[p])
-                    if formatter is not None and output.delta_logprobs:
-                        part, offsets[index] = formatter.format(
-                            output.delta_logprobs, output.delta_token_ids, offsets[index])
-                        logprobs.text_offset += part.text_offset
-                        logprobs.tokens += part.tokens
-                        logprobs.token_logprobs += part.token_logprobs
-                        logprobs.top_logprobs += part.top_logprobs
-                    finished = output.finished
-                    if not text and not finished and not (logprobs and logprobs.tokens):
-                        continue
-                    finish_sent[index] = finished
-                    yield chunk(CompletionStreamChoice(
-                        index=index, text=text, logprobs=logprobs,
-                        finish_reason=output.finish_reason if finished else None,
-                        stop_reason=output.stop_reason if finished else None,
-                    ))
-        usage = make_usage(finals)
-        record_usage(raw_request, usage)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
-            ).model_dump_json())
-        if (error := active.error()) is not None:  # aborted by the server (deadline, shutdown)
-            raw_request.state.stream_error = True
-            yield sse(error.to_json())
-    except Exception as exc:  # noqa: BLE001 - the error goes to the client in-band
-        raw_request.state.stream_error = True
-        state.metrics.record_error(exc)  # e.g. a dead engine (not the engine's own failures)
-        yield sse_error(exc)
-    yield SSE_DONE
+                        prompt_logprobs = (request_output.prompt_logprobs
+                                           or [None] * request_output.num_prompt_tokens)
+                        logprobs, _ = formatter.format(
+                            prompt_logprobs, request_output.prompt_token_ids, 0)
+                        offsets[index] = len(echo_texts[p])
+                if formatter is not None and output.delta_logprobs:
+                    part, offsets[index] = formatter.format(
+                        output.delta_logprobs, output.delta_token_ids, offsets[index])
+                    logprobs.text_offset += part.text_offset
+                    logprobs.tokens += part.tokens
+                    logprobs.token_logprobs += part.token_logprobs
+                    logprobs.top_logprobs += part.top_logprobs
+                finished = output.finished
+                if not text and not finished and not (logprobs and logprobs.tokens):
+                    continue
+                finish_sent[index] = finished
+                yield chunk(CompletionStreamChoice(
+                    index=index, text=text, logprobs=logprobs,
+                    finish_reason=output.finish_reason if finished else None,
+                    stop_reason=output.stop_reason if finished else None,
+                ))
+
+
+def _usage_chunk(state: ServerState, request_id: str, created: int):
+    def chunk(usage: UsageInfo) -> str:
+        return sse(CompletionStreamResponse(
+            id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
+        ).model_dump_json())
+    return chunk

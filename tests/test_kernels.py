@@ -16,8 +16,10 @@ written: a kernel that reads a slot it must not read produces NaN and fails the 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,9 +193,24 @@ def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
         assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
+HAS_COMPILER = shutil.which("c++") is not None and shutil.which("ninja") is not None
+
+
+def cpu_decode_kernel():
+    """The C++ CPU decode kernel; where a compiler exists it must have built."""
+    from kernels.cpu_decode import paged_decode_kernel
+
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        assert not HAS_COMPILER, "a C++ compiler and ninja are here, yet the kernel did not build"
+        pytest.skip("no C++ compiler or ninja: the CPU decode kernel cannot be built")
+    return kernel
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size):
+def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, use_cpu_kernel):
     """The CPU backend, in its own head-major cache layout, on the same mixed batch.
 
     Its decode groups run one SDPA over padded contexts with a mask, and a masked
@@ -203,9 +220,12 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size):
     from engine.attention.backends.torch_backend import TorchAttentionBackend
     from engine.attention.metadata import AttentionMetadata
 
+    if use_cpu_kernel:
+        cpu_decode_kernel()
     batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, 64, block_size)
     batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    assert (backend.decode_kernel is not None) == use_cpu_kernel
     num_blocks = batch.kv_cache.shape[1]
     assert backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, 64) == (
         2, num_kv_heads, num_blocks, block_size, 64)
@@ -224,6 +244,69 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size):
     # It wrote the step's K/V where the reference writes them, and nothing else.
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     assert_same_cache(head_major.permute(0, 2, 3, 1, 4), batch.kv_cache)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)], ids=["gqa9x3", "mha4"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size):
+    """Long, block-straddling contexts (1 .. 513 tokens) read through shuffled block tables."""
+    kernel = cpu_decode_kernel()
+    from kernels.reference import gather_kv
+
+    seq_lens = [1, block_size, block_size + 1, 300, 513]
+    specs = [(n - 1, 1) for n in seq_lens]
+    batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size, num_pad=0, seed=1)
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    out = torch.full_like(batch.query, float("nan"))
+    scale = 64**-0.5
+    kernel(out, batch.query, head_major, batch.block_table, batch.seq_lens, scale)
+    expected = paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
+                                   batch.query_start_loc, batch.seq_lens, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # and against plain dense attention on the request's own K/V
+    group = num_heads // num_kv_heads
+    k, v = gather_kv(batch.kv_cache, batch.block_table[3], 300)
+    scores = torch.einsum("hd,shd->hs", batch.query[3], k.repeat_interleave(group, 1)) * scale
+    dense = torch.einsum("hs,shd->hd", scores.softmax(-1), v.repeat_interleave(group, 1))
+    torch.testing.assert_close(out[3], dense, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_decode_kernel_rejects_bad_inputs():
+    kernel = cpu_decode_kernel()
+    batch = make_batch([(20, 1)], 4, 2, 64, 16, num_pad=0)
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    out = torch.empty_like(batch.query)
+    too_long = batch.seq_lens + 1000
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        kernel(out, batch.query, head_major, batch.block_table, too_long, 1.0)
+    bad_table = batch.block_table.clone()
+    bad_table[0, 1] = head_major.shape[2]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(out, batch.query, head_major, bad_table, batch.seq_lens, 1.0)
+    odd = make_batch([(20, 1)], 4, 2, 48, 16, num_pad=0)
+    with pytest.raises(RuntimeError, match="head_size 48 not supported"):
+        kernel(torch.empty_like(odd.query), odd.query, odd.kv_cache.permute(0, 3, 1, 2, 4)
+               .contiguous(), odd.block_table, odd.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel(out.half(), batch.query.half(), head_major.half(), batch.block_table,
+               batch.seq_lens, 1.0)
+
+
+def test_cpu_decode_kernel_build_survives_a_stale_lock(monkeypatch):
+    """A lock left by a killed build must not make every later start wait forever."""
+    cpu_decode_kernel()  # built (or skipped) once
+    from kernels import cpu_decode
+
+    lock = cpu_decode.build_directory() / "lock"
+    lock.touch()
+    old = time.time() - cpu_decode.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpu_decode, "_kernel", cpu_decode._UNSET)
+    assert cpu_decode.paged_decode_kernel() is not None
+    assert not lock.exists()
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+    assert cpu_decode.paged_decode_kernel() is None
 
 
 def test_import_without_triton():

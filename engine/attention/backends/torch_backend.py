@@ -8,9 +8,11 @@ so gathering a request's blocks along the block dimension leaves each head's
 context as one contiguous [seq_len, head_dim] run: the layout SDPA's CPU kernel
 is fast on, with no transpose copy after the gather.
 
-Decodes (query length 1) run as batched SDPAs over their gathered blocks, in
-groups of similar length; each prefill chunk runs its own SDPA with a causal
-mask offset by its cached context.
+Decodes (query length 1) run in one call of the C++ kernel in
+`kernels/cpu_decode.py`, which reads the paged cache in place (float32, when it
+builds); otherwise as batched SDPAs over their gathered blocks, in groups of
+similar length. Each prefill chunk runs its own SDPA with a causal mask offset by
+its cached context.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from kernels.cpu_decode import HEAD_SIZES as KERNEL_HEAD_SIZES
+from kernels.cpu_decode import paged_decode_kernel
 
 
 def write_to_kv_cache(
@@ -103,8 +107,9 @@ DECODE_GROUP_SIZE = 16
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.scratch = ScratchBuffers()
+        self.decode_kernel = paged_decode_kernel() if use_cpu_kernel else None
 
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
         return (2, num_kv_heads, num_blocks, block_size, head_size)
@@ -121,7 +126,9 @@ class TorchAttentionBackend(AttentionBackend):
         )
         query_lens = metadata.query_lens_np
         decode_reqs = np.flatnonzero(query_lens == 1)
-        if len(decode_reqs):
+        if len(decode_reqs) and self._kernel_fits(query, kv_cache):
+            self._decode_with_kernel(query, kv_cache, metadata, decode_reqs, scale, out)
+        elif len(decode_reqs):
             by_length = decode_reqs[np.argsort(metadata.seq_lens_np[decode_reqs], kind="stable")]
             num_groups = -(-len(by_length) // DECODE_GROUP_SIZE)
             for group in np.array_split(by_length, num_groups):
@@ -129,6 +136,22 @@ class TorchAttentionBackend(AttentionBackend):
         for req in np.flatnonzero(query_lens > 1):
             self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
         return out
+
+    def _kernel_fits(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (self.decode_kernel is not None and query.device.type == "cpu"
+                and query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+                and query.shape[-1] in KERNEL_HEAD_SIZES)
+
+    def _decode_with_kernel(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale,
+                            out) -> None:
+        """Every decode of the step in one kernel call, straight from the paged cache."""
+        token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs])
+        req_idx = torch.from_numpy(decode_reqs)
+        q = query[token_idx].contiguous()  # [B, Hq, D]
+        result = torch.empty_like(q)
+        self.decode_kernel(result, q, kv_cache, metadata.block_table[req_idx].to(torch.int32),
+                           metadata.seq_lens[req_idx].to(torch.int32), scale)
+        out[token_idx] = result
 
     def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
         """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D].

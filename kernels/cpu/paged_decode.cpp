@@ -1,0 +1,206 @@
+// Paged decode attention for the CPU: one query token per request, reading K and V
+// straight from the head-major paged cache, so no per-step gather copy of the context.
+//
+//   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, h / G, 0:seq_len, :]) @ V[b, h / G, 0:seq_len, :]
+//
+// where G = num_heads / num_kv_heads (grouped-query attention) and position p of
+// request b lives in block block_table[b, p / block_size] at offset p % block_size:
+//
+//   kv_cache [2, num_kv_heads, num_blocks, block_size, head_size]   (0 = K, 1 = V)
+//
+// Work item = (request, KV head): its G query heads share every K/V block read.
+// Pass 1 writes the scaled scores of all positions, a softmax normalises them,
+// pass 2 accumulates the weighted V rows. float32, head sizes 16/32/64/80/96/128/256;
+// the torch path serves the rest.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// 8 floats, one AVX register (GCC/Clang vector extension; plain loops elsewhere).
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum8(vec8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// Ask for the next block while this one is computed: blocks are scattered, so the
+// hardware prefetcher cannot guess where the next 4 KiB (or so) come from.
+inline void prefetch_block(const float* block, int64_t num_floats) {
+  for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(block + i);
+}
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, num_blocks, block_size, group, table_stride;
+  float scale;
+  const float *q_all, *k_cache, *v_cache;
+  const int32_t *tables, *lens;
+  float* out_all;
+};
+
+// One (request, KV head): its `group` query heads against that head's context.
+template <int kHeadSize>
+void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float>& scores) {
+  constexpr int kVecs = kHeadSize / 8;
+  const int64_t seq_len = pb.lens[b], group = pb.group, block_size = pb.block_size;
+  const int64_t block_floats = block_size * kHeadSize;
+  const int32_t* table = pb.tables + b * pb.table_stride;
+  const float* q = pb.q_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
+  const int64_t head_base = kv_head * pb.num_blocks;
+  const int64_t num_used_blocks = (seq_len + block_size - 1) / block_size;
+  scores.resize(group * seq_len);
+
+  // Pass 1: scores[g * seq_len + p] = scale * q_g . k_p, four positions at a time
+  // (four independent FMA chains instead of one).
+  for (int64_t i = 0; i < num_used_blocks; ++i) {
+    const float* k_block = pb.k_cache + (head_base + table[i]) * block_floats;
+    if (i + 1 < num_used_blocks) {
+      prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
+    }
+    const int64_t start = i * block_size;
+    const int64_t count = std::min(block_size, seq_len - start);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * kHeadSize;
+      float* s = scores.data() + g * seq_len + start;
+      int64_t t = 0;
+      for (; t + 4 <= count; t += 4) {
+        const float* k = k_block + t * kHeadSize;
+        vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int j = 0; j < kVecs; ++j) {
+          const vec8 qv = load8(qg + 8 * j);
+          a0 += qv * load8(k + 8 * j);
+          a1 += qv * load8(k + kHeadSize + 8 * j);
+          a2 += qv * load8(k + 2 * kHeadSize + 8 * j);
+          a3 += qv * load8(k + 3 * kHeadSize + 8 * j);
+        }
+        s[t] = pb.scale * sum8(a0);
+        s[t + 1] = pb.scale * sum8(a1);
+        s[t + 2] = pb.scale * sum8(a2);
+        s[t + 3] = pb.scale * sum8(a3);
+      }
+      for (; t < count; ++t) {
+        vec8 a = {};
+        for (int j = 0; j < kVecs; ++j) a += load8(qg + 8 * j) * load8(k_block + t * kHeadSize + 8 * j);
+        s[t] = pb.scale * sum8(a);
+      }
+    }
+  }
+
+  // Softmax over positions, per query head; then pass 2, per query head, with its
+  // output row held in registers: out_g = sum_p softmax_p * v_p.
+  float* out = pb.out_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * seq_len;
+    const float max_score = *std::max_element(s, s + seq_len);
+    float sum = 0.f;
+    for (int64_t p = 0; p < seq_len; ++p) {
+      s[p] = std::exp(s[p] - max_score);
+      sum += s[p];
+    }
+    vec8 acc[kVecs] = {};
+    for (int64_t i = 0; i < num_used_blocks; ++i) {
+      const float* v_block = pb.v_cache + (head_base + table[i]) * block_floats;
+      if (g == 0 && i + 1 < num_used_blocks) {
+        prefetch_block(pb.v_cache + (head_base + table[i + 1]) * block_floats, block_floats);
+      }
+      const int64_t start = i * block_size;
+      const int64_t count = std::min(block_size, seq_len - start);
+      for (int64_t t = 0; t < count; ++t) {
+        const float weight = s[start + t];
+        const float* v = v_block + t * kHeadSize;
+        for (int j = 0; j < kVecs; ++j) acc[j] += weight * load8(v + 8 * j);
+      }
+    }
+    const float inv_sum = 1.f / sum;
+    for (int j = 0; j < kVecs; ++j) {
+      const vec8 o = acc[j] * inv_sum;
+      std::memcpy(out + g * kHeadSize + 8 * j, &o, sizeof o);
+    }
+  }
+}
+
+template <int kHeadSize>
+void attend_all(const Problem& pb, int64_t num_reqs) {
+  at::parallel_for(0, num_reqs * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      attend_one<kHeadSize>(pb, item / pb.num_kv_heads, item % pb.num_kv_heads, scores);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == torch::kFloat32, "out must be like query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1, "block_table must be int32 [B, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32 [B]");
+  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(4) == head_size && num_heads % num_kv_heads == 0,
+              "query and kv_cache heads do not match");
+  TORCH_CHECK(block_table.size(0) == num_reqs && seq_lens.size(0) == num_reqs,
+              "one block_table row and one seq_len per request");
+
+  Problem pb;
+  pb.num_heads = num_heads;
+  pb.num_kv_heads = num_kv_heads;
+  pb.num_blocks = num_blocks;
+  pb.block_size = kv_cache.size(3);
+  pb.group = num_heads / num_kv_heads;
+  pb.table_stride = block_table.stride(0);
+  pb.scale = static_cast<float>(scale);
+  pb.q_all = query.data_ptr<float>();
+  pb.out_all = out.data_ptr<float>();
+  pb.k_cache = kv_cache.data_ptr<float>();
+  pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * head_size;
+  pb.tables = block_table.data_ptr<int32_t>();
+  pb.lens = seq_lens.data_ptr<int32_t>();
+  // Validate every index the kernel will follow, before any thread starts.
+  const int64_t max_blocks = block_table.size(1);
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    const int64_t len = pb.lens[b];
+    TORCH_CHECK(len >= 1 && (len + pb.block_size - 1) / pb.block_size <= max_blocks,
+                "seq_len out of range for its block table row");
+    for (int64_t i = 0; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
+      const int64_t block = pb.tables[b * pb.table_stride + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+  }
+  switch (head_size) {
+    case 16: attend_all<16>(pb, num_reqs); break;
+    case 32: attend_all<32>(pb, num_reqs); break;
+    case 64: attend_all<64>(pb, num_reqs); break;
+    case 80: attend_all<80>(pb, num_reqs); break;
+    case 96: attend_all<96>(pb, num_reqs); break;
+    case 128: attend_all<128>(pb, num_reqs); break;
+    case 256: attend_all<256>(pb, num_reqs); break;
+    default: TORCH_CHECK(false, "head_size ", head_size, " not supported (16/32/64/80/96/128/256)");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a head-major paged KV cache (float32, CPU).");
+}

@@ -1,0 +1,88 @@
+"""A C++ decode-attention kernel for the CPU torch backend, built on first use.
+
+`kernels/cpu/paged_decode.cpp` reads K and V straight from the head-major paged
+cache, where the pure-torch path must first gather each request's blocks into a
+dense copy: at batch 64 and ~500-token contexts that gather moves more bytes per
+step than the attention itself reads.
+
+It is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
+`-march=native`, so for this machine; ~45 s on 2 cores) into
+$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
+there afterwards. Where it cannot be built, `paged_decode_kernel()` returns None
+and the backend keeps the torch path. `PAGEDSERVE_CPU_KERNELS=0` turns it off.
+Its reference is `kernels.reference`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode.cpp"
+HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
+_UNSET = object()
+_kernel: object = _UNSET
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+
+
+def paged_decode_kernel() -> Callable[..., None] | None:
+    """`fn(out, query, kv_cache, block_table, seq_lens, scale)`, or None if unavailable.
+
+    out, query: float32 [B, Hq, D] contiguous, D in HEAD_SIZES; kv_cache: float32
+    [2, Hkv, num_blocks, block_size, D]; block_table: int32 [B, max_blocks];
+    seq_lens: int32 [B]. Bad shapes or indices raise RuntimeError before any work.
+    Built (or loaded) once per process.
+    """
+    global _kernel
+    if not enabled():
+        return None
+    if _kernel is _UNSET:
+        _kernel = _build()
+    return _kernel  # type: ignore[return-value]
+
+
+NAME = "pagedserve_cpu_paged_decode"
+# torch waits forever on the lock file of a build that was killed midway; one this
+# old is from such a build (a real one takes about a minute).
+STALE_LOCK_S = 600
+
+
+def build_directory() -> Path:
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    version = torch.__version__.replace("+", "_").replace(".", "_")
+    return Path(root) / f"{NAME}_torch{version}"
+
+
+def _build() -> Callable[..., None] | None:
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = directory / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale build lock left by a killed build: %s", lock)
+            lock.unlink(missing_ok=True)
+        module = load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            build_directory=str(directory),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, ...: keep the torch path
+        logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s",
+                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    return module.paged_decode_attention
