@@ -26,7 +26,6 @@ from server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
-    UsageInfo,
 )
 from server.serving_common import (
     EngineStreamingResponse,
@@ -42,6 +41,7 @@ from server.serving_common import (
     run_until_disconnect,
     sse,
     sse_body,
+    usage_chunk_for,
 )
 from server.state import ServerState
 
@@ -83,9 +83,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                          priority=body.priority, cache_salt=body.cache_salt)
     if body.stream:
         finals: list[RequestOutput | None] = [None]
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chunks(state, body, request_id, created, active, num_top, finals)
-        usage_chunk = _usage_chunk(state, request_id, created) if include_usage else None
+        usage_chunk = usage_chunk_for(body, ChatCompletionStreamResponse, state, request_id, created)
         return EngineStreamingResponse(
             sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
@@ -155,11 +154,3 @@ async def _chunks(
                 finish_reason=output.finish_reason if finished else None,
                 stop_reason=output.stop_reason if finished else None,
             )])
-
-
-def _usage_chunk(state: ServerState, request_id: str, created: int):
-    def chunk(usage: UsageInfo) -> str:
-        return sse(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
-        ).model_dump_json())
-    return chunk

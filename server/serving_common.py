@@ -201,6 +201,18 @@ def record_user(raw_request: Request, body: SamplingFields) -> None:
         raw_request.state.user = body.user
 
 
+def usage_chunk_for(body: SamplingFields, response_type: type, state: ServerState,
+                    request_id: str, created: int) -> Callable[[UsageInfo], str] | None:
+    """The stream's last chunk (`choices: []`, the usage), if `stream_options` asks for it."""
+    if body.stream_options is None or not body.stream_options.include_usage:
+        return None
+
+    def chunk(usage: UsageInfo) -> str:
+        return sse(response_type(id=request_id, created=created, model=state.model_name,
+                                 choices=[], usage=usage).model_dump_json())
+    return chunk
+
+
 async def sse_body(
     state: ServerState,
     raw_request: Request,

@@ -21,7 +21,6 @@ from server.protocol import (
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
 )
 from server.serving_common import (
     EngineStreamingResponse,
@@ -37,6 +36,7 @@ from server.serving_common import (
     run_until_disconnect,
     sse,
     sse_body,
+    usage_chunk_for,
 )
 from server.state import ServerState
 
@@ -115,10 +115,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     streams = active.streams
     if body.stream:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chunks(state, body, request_id, created, prompts, active, formatter,
                          echo_texts, finals)
-        usage_chunk = _usage_chunk(state, request_id, created) if include_usage else None
+        usage_chunk = usage_chunk_for(body, CompletionStreamResponse, state, request_id, created)
         return EngineStreamingResponse(
             sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
@@ -229,11 +228,3 @@ async def _chunks(
                     finish_reason=output.finish_reason if finished else None,
                     stop_reason=output.stop_reason if finished else None,
                 ))
-
-
-def _usage_chunk(state: ServerState, request_id: str, created: int):
-    def chunk(usage: UsageInfo) -> str:
-        return sse(CompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=[], usage=usage,
-        ).model_dump_json())
-    return chunk
