@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,9 +65,24 @@ def build_directory() -> Path:
     return Path(root) / f"{NAME}_torch{version}"
 
 
+def toolchain_available() -> bool:
+    """A C++ compiler and ninja (the one pip installs beside this Python counts)."""
+    _put_venv_ninja_on_path()
+    return shutil.which("c++") is not None and shutil.which("ninja") is not None
+
+
+def _put_venv_ninja_on_path() -> None:
+    # torch runs `ninja` from PATH; a virtualenv's bin/ is not on PATH unless activated.
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (bin_dir / "ninja").exists():
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def _build() -> Callable[..., None] | None:
     try:
         from torch.utils.cpp_extension import load
+
+        _put_venv_ninja_on_path()
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
