@@ -479,10 +479,9 @@ class AsyncEngine:
         if state.prompt_logprobs is not None and core_output.new_prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._convert_logprobs(core_output.new_prompt_logprobs))
         state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
-        # EOS (stop_reason None) or a stop token id ends with that token: hide its text.
-        stop_token = core_output.finish_reason == "stop" and not isinstance(
-            core_output.stop_reason, str)
-        stop_string = seq.detokenizer.update(new_token_ids, stop_token_terminated=stop_token)
+        # A stop token (EOS or a stop token id) ends the sequence: its text is hidden.
+        stop_string = seq.detokenizer.update(
+            new_token_ids, stop_token_terminated=core_output.stopped_by_token)
         if stop_string is not None:
             seq.finish("stop", stop_string)
             if not core_output.finished:

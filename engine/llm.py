@@ -19,6 +19,7 @@ from engine.config import (
     parse_size,
 )
 from engine.core import EngineCore
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import Logprobs
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class RequestOutput:
 class _SampleState:
     output: CompletionOutput
     params: SamplingParams
+    detokenizer: IncrementalDetokenizer  # the server's: same text, same stop-string rules
     done: bool = False
     prompt_logprobs: Logprobs = field(default_factory=Logprobs)
 
@@ -176,7 +178,9 @@ class LLM:
                 if params.logprobs is not None:
                     output.logprobs = Logprobs()
                 result.outputs.append(output)
-                samples[sub_id] = _SampleState(output, sample_params)
+                samples[sub_id] = _SampleState(output, sample_params,
+                                               IncrementalDetokenizer.from_params(
+                                                   self.tokenizer, prompt_ids, sample_params))
                 owner[sub_id] = result
                 core.add_request(EngineCoreRequest(sub_id, prompt_ids, sample_params,
                                                    eos_token_id=eos_token_id))
@@ -194,46 +198,32 @@ class LLM:
                 owner[out.req_id].num_cached_tokens = out.num_cached_tokens
                 if out.error is not None:
                     raise RuntimeError(out.error)
-                if not state.done and self._hit_stop_string(out.req_id, state):
-                    core.abort_requests([out.req_id])
-                    out.finish_reason = "stop"
-                if out.finished and not state.done:
+                if state.done:
+                    continue
+                stop_string = state.detokenizer.update(
+                    out.new_token_ids, stop_token_terminated=out.stopped_by_token)
+                if stop_string is not None:
+                    if not out.finished:
+                        core.abort_requests([out.req_id])
+                    state.output.finish_reason, state.output.stop_reason = "stop", stop_string
+                elif out.finished:
+                    state.output.finish_reason = out.finish_reason
+                    state.output.stop_reason = out.stop_reason
+                if state.output.finish_reason is not None:
                     state.done = True
-                    state.output.finish_reason = state.output.finish_reason or out.finish_reason
-                    if state.output.stop_reason is None:
-                        state.output.stop_reason = out.stop_reason
                     progress.update(1)
         progress.close()
 
         for sub_id, state in samples.items():
-            if not state.output.text:
-                state.output.text = self._decode(state.output.token_ids, state.params)
+            state.output.text = state.detokenizer.get_text(finished=True)
             if state.params.prompt_logprobs is not None:
                 owner[sub_id].prompt_logprobs = state.prompt_logprobs
         return results
-
-    def _hit_stop_string(self, sub_id: str, state: _SampleState) -> bool:
-        """Truncate at the first stop string, if the text now contains one."""
-        if not state.params.stop:
-            return False
-        text = self._decode(state.output.token_ids, state.params)
-        positions = [(text.find(s), s) for s in state.params.stop if s in text]
-        if not positions:
-            return False
-        position, stop = min(positions)
-        end = position + len(stop) if state.params.include_stop_str_in_output else position
-        state.output.text = text[:end]
-        state.output.finish_reason = "stop"
-        state.output.stop_reason = stop
-        return True
 
     def _encode(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return list(prompt)
-
-    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
 
 def _extend_logprobs(into: Logprobs, new: Logprobs) -> None:

@@ -52,6 +52,11 @@ class EngineCoreOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def stopped_by_token(self) -> bool:
+        """Ended by EOS (stop_reason None) or a stop token id: its last token is that token."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+
 
 @dataclass
 class SchedulerStats:

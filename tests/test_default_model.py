@@ -45,3 +45,25 @@ def test_capital_of_france_offline(llm: LLM):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_offline_stop_strings_match_the_full_text(llm: LLM):
+    """The offline API cuts at a stop string exactly as the server does (one detokenizer)."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}])
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 20, full.text
+    stop = full.text[10:14]
+    cut = full.text.find(stop)
+    stopped, kept = (llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=40, stop=[stop], include_stop_str_in_output=include),
+        use_tqdm=False)[0].outputs[0] for include in (False, True))
+    assert (stopped.text, stopped.finish_reason, stopped.stop_reason) == (
+        full.text[:cut], "stop", stop)
+    assert kept.text == full.text[:cut + len(stop)]
+    assert len(stopped.token_ids) < len(full.token_ids)
+    # EOS ends the answer without showing its text; the tokens still include it.
+    assert full.finish_reason in ("stop", "length")
+    if full.finish_reason == "stop":
+        assert full.token_ids[-1] == llm.tokenizer.eos_token_id
+        assert "<|im_end|>" not in full.text
