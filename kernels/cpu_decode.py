@@ -15,8 +15,10 @@ Its reference is `kernels.reference`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import time
@@ -58,11 +60,22 @@ STALE_LOCK_S = 600
 
 
 def build_directory() -> Path:
+    """One build per torch version and CPU feature set (`-march=native` code must not
+    run on a CPU without those features, e.g. from a home directory shared over NFS)."""
     import torch
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     version = torch.__version__.replace("+", "_").replace(".", "_")
-    return Path(root) / f"{NAME}_torch{version}"
+    return Path(root) / f"{NAME}_torch{version}_isa{_cpu_features_tag()}"
+
+
+def _cpu_features_tag() -> str:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256((flags or platform.processor()).encode()).hexdigest()[:8]
 
 
 def toolchain_available() -> bool:
