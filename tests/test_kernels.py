@@ -207,10 +207,15 @@ def cpu_decode_kernel():
     return kernel
 
 
+DECODE_ONLY_BATCH = [(37, 1), (31, 1), (0, 1), (100, 1)]  # a pure decode step
+
+
+@pytest.mark.parametrize("specs", [MIXED_BATCH, DECODE_ONLY_BATCH], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, use_cpu_kernel):
+def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, use_cpu_kernel,
+                                         specs):
     """The CPU backend, in its own head-major cache layout, on the same mixed batch.
 
     Its decode groups run one SDPA over padded contexts with a mask, and a masked
@@ -222,7 +227,7 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, us
 
     if use_cpu_kernel:
         cpu_decode_kernel()
-    batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, 64, block_size)
+    batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size)
     batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
     backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     assert (backend.decode_kernel is not None) == use_cpu_kernel

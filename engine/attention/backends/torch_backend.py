@@ -145,6 +145,15 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_with_kernel(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale,
                             out) -> None:
         """Every decode of the step in one kernel call, straight from the paged cache."""
+        num_decodes = len(decode_reqs)
+        if num_decodes == metadata.num_reqs == metadata.num_actual_tokens:
+            # A pure decode step (the common case): token r is request r's, no copies.
+            q, result = query[:num_decodes], out[:num_decodes]
+            if (q.is_contiguous() and result.is_contiguous()
+                    and metadata.block_table.dtype == metadata.seq_lens.dtype == torch.int32):
+                self.decode_kernel(result, q, kv_cache, metadata.block_table[:num_decodes],
+                                   metadata.seq_lens[:num_decodes], scale)
+                return
         token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs])
         req_idx = torch.from_numpy(decode_reqs)
         q = query[token_idx].contiguous()  # [B, Hq, D]
