@@ -52,6 +52,23 @@ def package_version() -> str:
         return "0.1.0"
 
 
+async def _generate(create, state: ServerState, body, raw_request: Request):
+    """Run a generation endpoint's `create(state, body, raw_request)`, mapping its errors.
+
+    A client that left gets 499; a request the engine failed gets its error object
+    without counting as an HTTP failure (the engine counted it); anything else
+    becomes an OpenAI error object.
+    """
+    try:
+        return await create(state, body, raw_request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
+        return from_exception(exc).to_response()
+    except Exception as exc:
+        raise from_exception(exc) from exc
+
+
 def _stream_doc(model: type, what: str) -> dict:
     # Before OpenAPI 3.2 (itemSchema), `schema` of `text/event-stream` describes one event:
     # its `data` is a JSON chunk, an error object (a failed stream), or the final [DONE].
@@ -147,27 +164,13 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,
               responses=_stream_doc(CompletionStreamResponse, "completion"))
     async def completions(body: CompletionRequest, raw_request: Request):
-        try:
-            return await create_completion(state, body, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
-            return from_exception(exc).to_response()
-        except Exception as exc:
-            raise from_exception(exc) from exc
+        return await _generate(create_completion, state, body, raw_request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               dependencies=auth, responses=_stream_doc(ChatCompletionStreamResponse,
                                                        "chat completion"))
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
-        try:
-            return await create_chat_completion(state, body, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
-            return from_exception(exc).to_response()
-        except Exception as exc:
-            raise from_exception(exc) from exc
+        return await _generate(create_chat_completion, state, body, raw_request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth,
               responses=ERROR_RESPONSES)
