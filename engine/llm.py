@@ -57,8 +57,11 @@ class _SampleState:
     output: CompletionOutput
     params: SamplingParams
     detokenizer: IncrementalDetokenizer  # the server's: same text, same stop-string rules
-    done: bool = False
     prompt_logprobs: Logprobs = field(default_factory=Logprobs)
+
+    @property
+    def done(self) -> bool:
+        return self.output.finish_reason is not None
 
 
 class LLM:
@@ -209,8 +212,7 @@ class LLM:
                 elif out.finished:
                     state.output.finish_reason = out.finish_reason
                     state.output.stop_reason = out.stop_reason
-                if state.output.finish_reason is not None:
-                    state.done = True
+                if state.done:
                     progress.update(1)
         progress.close()
 

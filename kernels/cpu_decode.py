@@ -80,22 +80,27 @@ def _cpu_features_tag() -> str:
 
 def toolchain_available() -> bool:
     """A C++ compiler and ninja (the one pip installs beside this Python counts)."""
-    _put_venv_ninja_on_path()
-    return shutil.which("c++") is not None and shutil.which("ninja") is not None
+    return shutil.which("c++") is not None and _ninja_dir() is not None
 
 
-def _put_venv_ninja_on_path() -> None:
-    # torch runs `ninja` from PATH; a virtualenv's bin/ is not on PATH unless activated.
-    bin_dir = Path(sys.executable).parent
-    if shutil.which("ninja") is None and (bin_dir / "ninja").exists():
-        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+def _ninja_dir() -> str | None:
+    """Where `ninja` is: on PATH, or in this Python's bin/ (a virtualenv not activated)."""
+    found = shutil.which("ninja") or shutil.which("ninja", path=str(Path(sys.executable).parent))
+    return None if found is None else str(Path(found).parent)
+
+
+def _put_ninja_on_path() -> None:
+    # torch runs `ninja` from PATH.
+    ninja_dir = _ninja_dir()
+    if ninja_dir is not None and shutil.which("ninja") is None:
+        os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def _build() -> Callable[..., None] | None:
     try:
         from torch.utils.cpp_extension import load
 
-        _put_venv_ninja_on_path()
+        _put_ninja_on_path()
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
