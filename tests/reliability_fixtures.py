@@ -18,15 +18,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from server.lifecycle import ServerLimits
-from tests.server_fixtures import REPO, FakeExecutor, ServerThread
+from tests.server_fixtures import REPO, FakeExecutor, LoggedServerProcess, ServerThread
 
 
 def _build_server(tokenizer_dir: Path, *, limits: ServerLimits, executor_kwargs: dict | None,
@@ -66,8 +64,10 @@ def start_server(
     return ServerThread(server).start()
 
 
-class FakeServerProcess:
+class FakeServerProcess(LoggedServerProcess):
     """The FakeExecutor server in its own process (so SIGTERM is a real signal)."""
+
+    START_TIMEOUT_S = 120.0
 
     def __init__(self, tokenizer_dir: Path, *, limits: ServerLimits | None = None,
                  executor_kwargs: dict | None = None, max_model_len: int = 256,
@@ -79,33 +79,12 @@ class FakeServerProcess:
         }
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO), os.environ.get("PYTHONPATH", "")])}
-        self.lines: list[str] = []
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability_fixtures", str(tokenizer_dir),
-             json.dumps(options)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__([sys.executable, "-m", "tests.reliability_fixtures",
+                          str(tokenizer_dir), json.dumps(options)], env)
 
     @property
     def pid(self) -> int:
         return self.process.pid
-
-    def wait_for_url(self, timeout_s: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.search(r" at (http://127\.0\.0\.1:\d+);", line)
-                if match:
-                    return match.group(1)
-            if self.process.poll() is not None:
-                raise RuntimeError("server exited:\n" + "\n".join(self.lines))
-            time.sleep(0.05)
-        raise TimeoutError("server did not start:\n" + "\n".join(self.lines))
 
     def kill(self) -> None:
         """Last resort (test clean-up): SIGKILL the server and its children."""

@@ -13,6 +13,7 @@ The fake executor ("echo" model) makes output predictable, so text-level behavio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,17 +260,19 @@ def start_fake_server(
     return ServerThread(server).start()
 
 
-class ServerProcess:
-    """`python -m server serve ...` in a subprocess; its log lines are collected."""
+class LoggedServerProcess:
+    """A server in a subprocess, its merged stdout/stderr collected line by line.
 
-    def __init__(self, args: list[str], env: dict[str, str]):
-        full_env = {**os.environ, **env}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")])
+    `wait_for_url()` returns the address the server logs once it listens.
+    """
+
+    START_TIMEOUT_S = 180.0
+
+    def __init__(self, command: list[str], env: dict[str, str]):
         self.lines: list[str] = []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", *args], cwd=REPO, env=full_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -276,17 +280,27 @@ class ServerProcess:
         for line in self.process.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for_url(self, timeout_s: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout_s
+    def wait_for_url(self, timeout_s: float | None = None) -> str:
+        deadline = time.monotonic() + (timeout_s or self.START_TIMEOUT_S)
         while time.monotonic() < deadline:
-            for line in self.lines:
+            for line in list(self.lines):
                 match = re.search(r" at (http://127\.0\.0\.1:\d+);", line)
                 if match:
                     return match.group(1)
             if self.process.poll() is not None:
                 raise RuntimeError("server exited:\n" + "\n".join(self.lines))
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise TimeoutError("server did not start:\n" + "\n".join(self.lines))
+
+
+class ServerProcess(LoggedServerProcess):
+    """`python -m server serve ...` in a subprocess; its log lines are collected."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        full_env = {**os.environ, **env}
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")])
+        super().__init__([sys.executable, "-m", "server", "serve", *args], full_env)
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -298,3 +312,16 @@ class ServerProcess:
                 self.process.wait(10)
         self._reader.join(5)
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def serving(proc: ServerProcess) -> Iterator[ServerProcess]:
+    """Wait for `proc` to listen (`proc.url`), stopping it if it never does; on leaving,
+    stop it and require a clean exit (status 0)."""
+    try:
+        proc.url = proc.wait_for_url()
+    except BaseException:
+        proc.stop()
+        raise
+    yield proc
+    assert proc.stop() == 0, "\n".join(proc.lines[-30:])

@@ -30,7 +30,7 @@ from server.errors import APIError
 from server.metrics import ServerMetrics
 from tests import deploy_exprs as dx
 from tests.model_fixtures import build_tiny_checkpoint
-from tests.server_fixtures import ServerProcess
+from tests.server_fixtures import ServerProcess, serving
 from tests.test_scheduler import add, make_scheduler, step
 
 MODEL = "tiny"
@@ -337,21 +337,20 @@ def test_step_stats_count_each_prompt_once_and_inter_token_latencies():
 
 
 # --------------------------------------------------------------------------- the server
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def tiny_metrics_server(tmp_path_factory) -> ServerProcess:
+    """The tiny Llama served with a small KV cache (also used by test_prometheus_live)."""
     checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
-    proc = ServerProcess(
+    return ServerProcess(
         ["--model", str(checkpoint), "--port", "0", "--served-model-name", MODEL,
          "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
          "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"],
         env={"PAGEDSERVE_LOG_LEVEL": "info"})
-    try:
-        proc.url = proc.wait_for_url()
-    except BaseException:
-        proc.stop()
-        raise
-    yield proc
-    assert proc.stop() == 0, "\n".join(proc.lines[-30:])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tiny_metrics_server(tmp_path_factory)) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -43,17 +43,19 @@ import pytest
 import yaml
 
 from tests import deploy_exprs as dx
-from tests.model_fixtures import build_tiny_checkpoint
-from tests.server_fixtures import ServerProcess
-from tests.test_metrics import parse, value
+from tests.server_fixtures import serving
+from tests.test_metrics import (
+    BLOCK_SIZE,
+    FORCED_TOKEN,
+    MAX_MODEL_LEN,
+    MODEL,
+    parse,
+    tiny_metrics_server,
+    value,
+)
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny"
-BLOCK_SIZE = 16
-NUM_BLOCKS = 32
-MAX_MODEL_LEN = 256
-FORCED_TOKEN = 300
 PROMETHEUS_CONFIG = dx.REPO_ROOT / "docker" / "prometheus.yml"
 
 
@@ -70,19 +72,8 @@ def binaries() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(binaries, tmp_path_factory):
-    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
-    proc = ServerProcess(
-        ["--model", str(checkpoint), "--port", "0", "--served-model-name", MODEL,
-         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"],
-        env={"PAGEDSERVE_LOG_LEVEL": "info"})
-    try:
-        proc.url = proc.wait_for_url()
-    except BaseException:
-        proc.stop()
-        raise
-    yield proc
-    assert proc.stop() == 0, "\n".join(proc.lines[-30:])
+    with serving(tiny_metrics_server(tmp_path_factory)) as proc:
+        yield proc
 
 
 def free_port() -> int:

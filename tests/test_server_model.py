@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
-from tests.server_fixtures import ServerProcess
+from tests.server_fixtures import ServerProcess, serving
 
 API_KEY = "model-test-key"
 MAX_MODEL_LEN = 200
@@ -34,14 +34,8 @@ def server(checkpoint):
          "--served-model-name", "tiny", "tiny-alias"],
         env={"PAGEDSERVE_API_KEY": API_KEY, "PAGEDSERVE_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
              "PAGEDSERVE_MAX_NUM_SEQS": "32", "PAGEDSERVE_LOG_LEVEL": "info"})
-    try:
-        proc.url = proc.wait_for_url()
-    except BaseException:
-        proc.stop()
-        raise
-    yield proc
-    code = proc.stop()
-    assert code == 0, "\n".join(proc.lines[-30:])
+    with serving(proc):
+        yield proc
     assert any("server stopped" in line for line in proc.lines)
 
 
