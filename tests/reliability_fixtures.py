@@ -24,28 +24,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from server.lifecycle import ServerLimits
-from tests.server_fixtures import REPO, FakeExecutor, LoggedServerProcess, ServerThread
-
-
-def _build_server(tokenizer_dir: Path, *, limits: ServerLimits, executor_kwargs: dict | None,
-                  max_model_len: int, max_num_seqs: int, shutdown_timeout_s: float,
-                  log_level: str = "warning"):
-    from transformers import AutoTokenizer
-
-    from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-    from engine.core_proc import ExecutorSpec
-    from server.api_server import APIServer, ServeOptions
-
-    vocab_size = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-    kwargs = {"vocab_size": vocab_size, **(executor_kwargs or {})}
-    config = EngineConfig(
-        model_config=ModelConfig(model=str(tokenizer_dir), max_model_len=max_model_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
-    )
-    spec = ExecutorSpec(f"{FakeExecutor.__module__}:FakeExecutor", kwargs)
-    options = ServeOptions(host="127.0.0.1", port=0, log_level=log_level, limits=limits,
-                           shutdown_timeout_s=shutdown_timeout_s)
-    return APIServer(options, config, tokenizer_dir, ["fake-echo"], executor_spec=spec)
+from tests.server_fixtures import (
+    REPO,
+    LoggedServerProcess,
+    ServerThread,
+    build_fake_server,
+    start_fake_server,
+)
 
 
 def start_server(
@@ -58,10 +43,9 @@ def start_server(
     shutdown_timeout_s: float = 5.0,
 ) -> ServerThread:
     """A real server (HTTP, AsyncEngine, core process) over the echo FakeExecutor."""
-    server = _build_server(tokenizer_dir, limits=limits or ServerLimits(),
-                           executor_kwargs=executor_kwargs, max_model_len=max_model_len,
-                           max_num_seqs=max_num_seqs, shutdown_timeout_s=shutdown_timeout_s)
-    return ServerThread(server).start()
+    return start_fake_server(tokenizer_dir, limits=limits, executor_kwargs=executor_kwargs,
+                             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             shutdown_timeout_s=shutdown_timeout_s)
 
 
 class FakeServerProcess(LoggedServerProcess):
@@ -171,7 +155,7 @@ def _serve_main(tokenizer_dir: str, options_json: str) -> int:
 
     options = json.loads(options_json)
     configure_logging("info")
-    server = _build_server(
+    server = build_fake_server(
         Path(tokenizer_dir), limits=ServerLimits(**options["limits"]),
         executor_kwargs=options["executor_kwargs"], max_model_len=options["max_model_len"],
         max_num_seqs=options["max_num_seqs"], shutdown_timeout_s=options["shutdown_timeout_s"],

@@ -25,12 +25,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core import KVCacheInfo
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
+from server.lifecycle import ServerLimits
+
+if TYPE_CHECKING:
+    from server.api_server import APIServer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +235,7 @@ class ServerThread:
             self._thread.join(timeout_s)
 
 
-def start_fake_server(
+def build_fake_server(
     tokenizer_dir: Path,
     *,
     max_model_len: int = 256,
@@ -239,7 +244,10 @@ def start_fake_server(
     executor_kwargs: dict | None = None,
     max_num_seqs: int = 64,
     allowed_origins: list[str] | None = None,
-) -> ServerThread:
+    limits: ServerLimits | None = None,
+    shutdown_timeout_s: float = 5.0,
+    log_level: str = "warning",
+) -> APIServer:
     """A real server (HTTP, AsyncEngine, core process) over the echo FakeExecutor."""
     from transformers import AutoTokenizer
 
@@ -254,10 +262,16 @@ def start_fake_server(
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
     )
     spec = ExecutorSpec(f"{FakeExecutor.__module__}:FakeExecutor", kwargs)
-    options = ServeOptions(host="127.0.0.1", port=0, api_key=api_key, log_level="warning",
-                           allowed_origins=allowed_origins or [])
-    server = APIServer(options, config, tokenizer_dir, [served_model_name], executor_spec=spec)
-    return ServerThread(server).start()
+    options = ServeOptions(host="127.0.0.1", port=0, api_key=api_key, log_level=log_level,
+                           allowed_origins=allowed_origins or [],
+                           limits=limits or ServerLimits(),
+                           shutdown_timeout_s=shutdown_timeout_s)
+    return APIServer(options, config, tokenizer_dir, [served_model_name], executor_spec=spec)
+
+
+def start_fake_server(tokenizer_dir: Path, **options) -> ServerThread:
+    """`build_fake_server(tokenizer_dir, **options)`, started in this process."""
+    return ServerThread(build_fake_server(tokenizer_dir, **options)).start()
 
 
 class LoggedServerProcess:

@@ -366,7 +366,9 @@ def scrape(url: str, **headers: str) -> Samples:
     return parse(response.text)[0]
 
 
-def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition",
+               poll_s: float = 0.05):
+    """predicate()'s first truthy result, polling every `poll_s`; AssertionError at timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = predicate()
@@ -374,7 +376,7 @@ def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(poll_s)
 
 
 def wait_idle(url: str) -> Samples:

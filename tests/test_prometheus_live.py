@@ -52,6 +52,7 @@ from tests.test_metrics import (
     parse,
     tiny_metrics_server,
     value,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -163,17 +164,6 @@ def tokens(start: int, count: int) -> list[int]:
     return list(range(start, start + count))
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 async def drive_traffic(url: str) -> dict[str, int]:
     """Mixed traffic; returns what the clients saw (requests by outcome)."""
     seen = {"stop": 0, "length": 0, "abort": 0, "validation": 0}
@@ -237,8 +227,8 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
     started = time.time()
 
     # The target is scraped before any traffic (counters start at 0).
-    wait_for(lambda: finite_values(query(prometheus, 'up{job="pagedserve"}')) == [1.0],
-             20, "the first scrape of pagedserve")
+    wait_until(lambda: finite_values(query(prometheus, 'up{job="pagedserve"}')) == [1.0],
+               20, "the first scrape of pagedserve", poll_s=0.2)
     seen = asyncio.run(drive_traffic(server.url))
 
     # Drained, and Prometheus has scraped the final values (then one scrape more).
@@ -250,11 +240,11 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
         return samples if busy == 0 and done == sum(
             seen[r] for r in ("stop", "length", "abort")) else None
 
-    samples = wait_for(final_metrics, 20, "the server to drain")
+    samples = wait_until(final_metrics, 20, "the server to drain", poll_s=0.2)
     total = value(samples, "pagedserve:generation_tokens_total")
-    wait_for(lambda: scalar(prometheus, "sum(pagedserve:generation_tokens_total)") == total
-             and scalar(prometheus, "sum(pagedserve:num_requests_running)") == 0,
-             20, "Prometheus to scrape the final values")
+    wait_until(lambda: scalar(prometheus, "sum(pagedserve:generation_tokens_total)") == total
+               and scalar(prometheus, "sum(pagedserve:num_requests_running)") == 0,
+               20, "Prometheus to scrape the final values", poll_s=0.2)
     time.sleep(1.5)
 
     # What Prometheus stored is what the server exposed, under the catalogue's names.
@@ -310,7 +300,7 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
                                       and not r["lastEvaluation"].startswith("0001")
                                       for r in rules) else None
 
-    rules = wait_for(rules_evaluated, 10, "Prometheus to evaluate the rules")
+    rules = wait_until(rules_evaluated, 10, "Prometheus to evaluate the rules", poll_s=0.2)
     assert {r["name"] for r in rules} == {r["alert"] for r in dx.alert_rules()}
     unhealthy = [(r["name"], r["health"], r.get("lastError")) for r in rules
                  if r["health"] != "ok"]
