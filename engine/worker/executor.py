@@ -9,6 +9,7 @@ import torch
 from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
 from engine.core import KVCacheInfo
+from engine.kv_cache.manager import cdiv
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker import kv_cache_init
@@ -80,7 +81,7 @@ class ModelExecutor:
         else:
             available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
             num_blocks = kv_cache_init.num_blocks_for(specs, available)
-            blocks_per_request = -(-max_model_len // block_size)
+            blocks_per_request = cdiv(max_model_len, block_size)
             if num_blocks < blocks_per_request:
                 raise ValueError(
                     f"the KV cache fits {num_blocks * block_size} tokens, fewer than one "

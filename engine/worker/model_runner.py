@@ -19,6 +19,7 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
 from engine.sched.output import SchedulerOutput
@@ -55,7 +56,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.max_num_blocks_per_req = cdiv(max_model_len, block_size)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids: dict[str, int | None] = {}
@@ -183,7 +184,7 @@ class ModelRunner:
 
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table[rows, :max_blocks]
         metadata = self._make_metadata(query_start_loc, seq_lens, block_table, slot_mapping)
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache.manager import cdiv
 from kernels.cpu_decode import HEAD_SIZES as KERNEL_HEAD_SIZES
 from kernels.cpu_decode import paged_decode_kernel
 
@@ -68,7 +69,7 @@ def gather_context(
     """
     num_reqs = block_ids.shape[0]
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
-    num_blocks_needed = -(-seq_len_max // block_size)
+    num_blocks_needed = cdiv(seq_len_max, block_size)
     ids = block_ids[:, :num_blocks_needed].reshape(-1).long()
     tile_starts = torch.arange(2 * num_kv_heads, device=ids.device) * num_blocks
     tile_ids = (tile_starts[:, None] + ids[None, :]).reshape(-1)
@@ -130,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode_with_kernel(query, kv_cache, metadata, decode_reqs, scale, out)
         elif len(decode_reqs):
             by_length = decode_reqs[np.argsort(metadata.seq_lens_np[decode_reqs], kind="stable")]
-            num_groups = -(-len(by_length) // DECODE_GROUP_SIZE)
+            num_groups = cdiv(len(by_length), DECODE_GROUP_SIZE)
             for group in np.array_split(by_length, num_groups):
                 self._decode(query, kv_cache, metadata, group, scale, out)
         for req in np.flatnonzero(query_lens > 1):
