@@ -18,6 +18,7 @@ class ModelConfig:
     model: str  # a local HF directory, a .gguf file, or a hub id
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto | none | int8 | int4 (engine.model_loader.quantize)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
 

@@ -78,6 +78,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
@@ -100,8 +101,8 @@ class LLM:
         self.model_dir = resolved.path
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.path)
         config = EngineConfig(
-            model_config=ModelConfig(model=resolved.path, dtype=dtype, max_model_len=max_model_len,
-                                     seed=seed),
+            model_config=ModelConfig(model=resolved.path, dtype=dtype, quantization=quantization,
+                                     max_model_len=max_model_len, seed=seed),
             cache_config=CacheConfig(
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

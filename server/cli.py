@@ -157,9 +157,15 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         default=_env_bool(env_name("--enable-prefix-caching"), True),
         help="Reuse the KV cache of shared prompt prefixes (default: on). "
              "[env: PAGEDSERVE_ENABLE_PREFIX_CACHING=1|0]")
-    flag("--dtype", "Weight and activation dtype; 'auto' follows the checkpoint (float16 "
-         "becomes bfloat16 on CPU).",
+    flag("--dtype", "Activation and dense-weight dtype; 'auto' on CPU picks bfloat16 where "
+         "the CPU has native bf16 (avx512_bf16/AMX) and float32 elsewhere; on CUDA it follows "
+         "the checkpoint.",
          choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    flag("--quantization", "Weight-only quantization of the linears, for small decode "
+         "batches on CPU: 'auto' serves a GGUF checkpoint in its own precision (Q4_0/Q4_1 as "
+         "int4, Q8_0 as int8) and other checkpoints dense; 'int8' or 'int4' quantize any "
+         "checkpoint at load (groups of 32 columns); 'none' keeps every linear dense.",
+         choices=["auto", "none", "int8", "int4"], default="auto")
     flag("--device", "Where the model runs.", choices=["auto", "cpu", "cuda"], default="auto")
     flag("--attention-backend", "Attention implementation.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
@@ -214,6 +220,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
     return EngineConfig(
         model_config=ModelConfig(
             model=model_dir, served_model_name=served_model_name, dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len, seed=args.seed),
         cache_config=CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

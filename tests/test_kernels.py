@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import kernels
-import kernels.cpu_decode
+import kernels.cpu_kernels
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -193,12 +193,12 @@ def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
         assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
-HAS_COMPILER = kernels.cpu_decode.toolchain_available()
+HAS_COMPILER = kernels.cpu_kernels.toolchain_available()
 
 
 def cpu_decode_kernel():
     """The C++ CPU decode kernel; where a compiler exists it must have built."""
-    from kernels.cpu_decode import paged_decode_kernel
+    from kernels.cpu_kernels import paged_decode_kernel
 
     kernel = paged_decode_kernel()
     if kernel is None:
@@ -301,7 +301,7 @@ def test_cpu_decode_kernel_rejects_bad_inputs():
 def test_cpu_decode_kernel_build_survives_a_stale_lock(monkeypatch):
     """A lock left by a killed build must not make every later start wait forever."""
     cpu_decode_kernel()  # built (or skipped) once
-    from kernels import cpu_decode
+    from kernels import cpu_kernels as cpu_decode
 
     lock = cpu_decode.build_directory() / "lock"
     lock.touch()

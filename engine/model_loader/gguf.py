@@ -2,6 +2,8 @@
 
     $PAGEDSERVE_CACHE/gguf/<stem>-<key>/      key = hash(file name, size, mtime, converter version)
         config.json  generation_config.json
+        gguf_tensor_types.json  (HF tensor name -> GGML type, e.g. "Q4_1": what
+                                 --quantization auto serves it as)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
         model.safetensors  (or model-0000i-of-0000n.safetensors + index)
 
@@ -33,9 +35,11 @@ from tqdm import tqdm
 
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
 
+GGUF_TYPES_FILE = "gguf_tensor_types.json"  # read by engine.model_loader.quantize
+
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 2  # bump when the output format changes: old caches are then ignored
 FLOAT32_MAX_PARAMS = 1_500_000_000
 SHARD_BYTES = 2 << 30
 
@@ -133,7 +137,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
         progress.update()
         config.save_pretrained(out_dir)
         _save_generation_config(config, out_dir)
-        _save_weights(gguf_tensors(gguf, config, progress), out_dir, dtype)
+        types: dict[str, str] = {}
+        _save_weights(gguf_tensors(gguf, config, progress, types), out_dir, dtype)
+        (out_dir / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
 
 
 def config_from_gguf(gguf: GGUFFile, dtype: torch.dtype):
@@ -191,8 +197,11 @@ def config_from_gguf(gguf: GGUFFile, dtype: torch.dtype):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def gguf_tensors(gguf: GGUFFile, config, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(gguf: GGUFFile, config, progress=None, types: dict[str, str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for each GGUF tensor, dequantized one at a time.
+
+    `types`, if given, receives HF name -> the GGUF tensor's GGML type name.
 
     llama.cpp's converter permutes Llama's q/k rows for its rotary layout; they
     are permuted back here. Stacked expert tensors [E, ...] are split per expert.
@@ -204,6 +213,8 @@ def gguf_tensors(gguf: GGUFFile, config, progress=None) -> Iterator[tuple[str, t
         if name == "rope_freqs.weight":
             pass
         elif name in _GLOBAL_NAMES:
+            if types is not None:
+                types[_GLOBAL_NAMES[name]] = gguf.tensors[name].ggml_type.name
             yield _GLOBAL_NAMES[name], torch.from_numpy(gguf.load(name))
         else:
             match = _LAYER_TENSOR.match(name)
@@ -214,6 +225,7 @@ def gguf_tensors(gguf: GGUFFile, config, progress=None) -> Iterator[tuple[str, t
             array = gguf.load(name)
             if kind in _EXPERT_NAMES:
                 for expert, weights in enumerate(array):
+                    # (expert tensors are fused in the model and stay dense: no type recorded)
                     yield (f"{prefix}.mlp.experts.{expert}.{_EXPERT_NAMES[kind]}.{leaf}",
                            torch.from_numpy(np.ascontiguousarray(weights)))
                 continue
@@ -222,7 +234,10 @@ def gguf_tensors(gguf: GGUFFile, config, progress=None) -> Iterator[tuple[str, t
             if arch == "llama" and kind in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                 array = unpermute_rotary_rows(array, heads)
-            yield f"{prefix}.{_LAYER_NAMES[kind]}.{leaf}", torch.from_numpy(array)
+            hf_name = f"{prefix}.{_LAYER_NAMES[kind]}.{leaf}"
+            if types is not None:
+                types[hf_name] = gguf.tensors[name].ggml_type.name
+            yield hf_name, torch.from_numpy(array)
         if progress is not None:
             progress.update()
 

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine import cpu_info
+from engine.model_loader.quantize import QuantizationReport, quantize_model
 from engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -25,10 +27,11 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
 def resolve_dtype(config, dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
     """The compute dtype for `--dtype auto|float32|bfloat16|float16`.
 
-    auto = the checkpoint's `dtype` (`torch_dtype` in older configs; float32 if
-    neither is set), except that float16 becomes bfloat16 on CPU: CPU float16
-    matmuls are slow, and bfloat16 keeps float32's range. An explicit choice
-    is honoured as given.
+    auto on CPU follows the hardware, whatever the checkpoint says: bfloat16 where
+    the CPU has native bf16 (avx512_bf16 or AMX), float32 elsewhere (there bf16
+    matmuls are emulated and several times slower than float32).
+    auto on CUDA = the checkpoint's `dtype` (`torch_dtype` in older configs;
+    float32 if neither is set). An explicit choice is honoured as given.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -37,15 +40,23 @@ def resolve_dtype(config, dtype: str | torch.dtype, device: torch.device | str) 
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
         return DTYPES[name]
+    if torch.device(device).type == "cpu":
+        return auto_cpu_dtype()[0]
     # transformers v5 calls it `dtype` (and warns on reading `torch_dtype`); v4 `torch_dtype`
     declared = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = DTYPES.get(declared.removeprefix("torch."), torch.float32)
     if declared not in DTYPES.values():
         declared = torch.float32
-    if declared == torch.float16 and torch.device(device).type == "cpu":
-        return torch.bfloat16
     return declared
+
+
+def auto_cpu_dtype() -> tuple[torch.dtype, str]:
+    """(dtype, why) for --dtype auto on this CPU."""
+    reason = cpu_info.native_bf16_reason()
+    if reason:
+        return torch.bfloat16, f"the CPU has native bf16 ({reason})"
+    return torch.float32, "the CPU has no native bf16 (no avx512_bf16/amx_bf16): float32 is faster"
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -81,11 +92,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
-               device: torch.device | str = "cpu") -> nn.Module:
+               device: torch.device | str = "cpu", quantization: str = "none") -> nn.Module:
     """Our implementation of the checkpoint in `model_dir`, weights loaded, in eval mode.
 
     Parameters are allocated directly in `dtype` on `device` and never require
-    grad; tensors stream from disk one at a time.
+    grad; tensors stream from disk one at a time. `quantization` (see
+    engine.model_loader.quantize) then gives linears int8/int4 weights; the
+    report of what it did is `model.quantization_report`.
     """
     from transformers import AutoConfig
 
@@ -97,6 +110,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
         model = model_class(config)
     model.load_weights(iter_safetensors(model_dir))
     model.eval().requires_grad_(False)
-    logger.info("loaded %s (%s, %s) from %s in %.1f s", model_class.__name__, dtype,
-                torch.device(device), model_dir, time.perf_counter() - start)
+    report: QuantizationReport = quantize_model(model, quantization, model_dir, device)
+    model.quantization_report = report
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s (%s, %s) from %s in %.1f s: %.1f MiB of dense weights; %s",
+                model_class.__name__, dtype, torch.device(device), model_dir,
+                time.perf_counter() - start, weight_bytes / 2**20, report.summary())
     return model

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quant import QuantizedWeight, QuantSpec, can_quantize, quantize
+
 
 def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -40,17 +42,36 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias); weight [out_features, in_features] as in HF checkpoints."""
+    """y = x @ weight.T (+ bias); weight [out_features, in_features] as in HF checkpoints.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    After `quantize(spec)` the layer also holds its weight in int8/int4 and runs the
+    quantized kernel for batches of up to `quantized.max_rows` rows; `weight` then
+    holds the dequantized values, used for larger batches (see engine.models.quant).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 weight: nn.Parameter | None = None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = empty_param(out_features, in_features)
+        # `weight` given: share another module's parameter (a tied lm_head).
+        self.weight = empty_param(out_features, in_features) if weight is None else weight
         self.bias = empty_param(out_features) if bias else None
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and self.quantized.serves(x.shape[0]):
+            return self.quantized.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def quantize(self, spec: QuantSpec, max_rows: int | None = None) -> bool:
+        """Quantize the loaded weight in place; False (and unchanged) if the shape does not suit."""
+        if not can_quantize(self.out_features, self.in_features):
+            return False
+        self.quantized = quantize(self.weight.data, spec, max_rows)
+        with torch.no_grad():
+            self.weight.copy_(self.quantized.dequantized())
+        return True
 
 
 class MergedLinear(Linear):

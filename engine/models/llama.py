@@ -110,10 +110,10 @@ class DecoderForCausalLM(nn.Module):
             lambda i: DecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i)),
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied lm_head is a Linear over the embedding's own parameter (one tensor in
+        # memory), so it can be quantized like any other linear.
+        tied = self.model.embed_tokens.weight if self.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, weight=tied)
 
     def make_attention(self, config: Any, layer_idx: int) -> DecoderAttention:
         bias = bool(getattr(config, "attention_bias", False))
@@ -130,7 +130,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32."""
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from (HF checkpoint name, tensor) pairs, streamed.

@@ -56,7 +56,19 @@ class ModelExecutor:
         model_dir = resolve_model(config.model_config.model).path
         hf_config = AutoConfig.from_pretrained(model_dir)
         dtype = resolve_dtype(hf_config, config.model_config.dtype, device)
-        model = load_model(model_dir, dtype, device)
+        if device.type == "cpu":
+            from engine import cpu_info
+            from engine.model_loader.weights import auto_cpu_dtype
+
+            why = (auto_cpu_dtype()[1] if config.model_config.dtype == "auto"
+                   else f"--dtype {config.model_config.dtype}")
+            logger.info("CPU: %s; compute dtype %s (%s)", cpu_info.describe(),
+                        str(dtype).removeprefix("torch."), why)
+        if device.type == "cpu":
+            from kernels.cpu_kernels import cpu_kernels
+
+            cpu_kernels()  # build (once per CPU) or load them now, not on the first request
+        model = load_model(model_dir, dtype, device, config.model_config.quantization)
         max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
         block_size = config.cache_config.block_size
         backend = select_attention_backend(config.device_config.attention_backend, device,

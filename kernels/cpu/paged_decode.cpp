@@ -199,8 +199,3 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     default: TORCH_CHECK(false, "head_size ", head_size, " not supported (16/32/64/80/96/128/256)");
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a head-major paged KV cache (float32, CPU).");
-}

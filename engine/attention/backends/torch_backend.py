@@ -9,7 +9,7 @@ context as one contiguous [seq_len, head_dim] run: the layout SDPA's CPU kernel
 is fast on, with no transpose copy after the gather.
 
 Decodes (query length 1) run in one call of the C++ kernel in
-`kernels/cpu_decode.py`, which reads the paged cache in place (float32, when it
+`kernels/cpu_kernels.py`, which reads the paged cache in place (float32, when it
 builds); otherwise as batched SDPAs over their gathered blocks, in groups of
 similar length. Each prefill chunk runs its own SDPA with a causal mask offset by
 its cached context.
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
-from kernels.cpu_decode import HEAD_SIZES as KERNEL_HEAD_SIZES
-from kernels.cpu_decode import paged_decode_kernel
+from kernels.cpu_kernels import HEAD_SIZES as KERNEL_HEAD_SIZES
+from kernels.cpu_kernels import paged_decode_kernel
 
 
 def write_to_kv_cache(

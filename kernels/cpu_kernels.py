@@ -1,11 +1,13 @@
-"""A C++ decode-attention kernel for the CPU torch backend, built on first use.
+"""The C++ CPU kernels, one extension built on first use.
 
-`kernels/cpu/paged_decode.cpp` reads K and V straight from the head-major paged
-cache, where the pure-torch path must first gather each request's blocks into a
-dense copy: at batch 64 and ~500-token contexts that gather moves more bytes per
-step than the attention itself reads.
+- `kernels/cpu/paged_decode.cpp`: decode attention reading K and V straight from
+  the head-major paged cache, where the pure-torch path must first gather each
+  request's blocks into a dense copy: at batch 64 and ~500-token contexts that
+  gather moves more bytes per step than the attention itself reads.
+- `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
+  with float32 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 
-It is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
+The extension is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
 `-march=native`, so for this machine; ~45 s on 2 cores) into
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
 there afterwards. Where it cannot be built, `paged_decode_kernel()` returns None
@@ -27,7 +29,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode.cpp"
+SOURCES = [Path(__file__).with_name("cpu") / name
+           for name in ("paged_decode.cpp", "quant_linear.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET
@@ -45,15 +48,22 @@ def paged_decode_kernel() -> Callable[..., None] | None:
     seq_lens: int32 [B]. Bad shapes or indices raise RuntimeError before any work.
     Built (or loaded) once per process.
     """
+    module = cpu_kernels()
+    return None if module is None else module.paged_decode_attention
+
+
+def cpu_kernels():
+    """The built extension module (`paged_decode_attention`, `int4_linear`,
+    `int8_linear`), or None where it cannot be built or PAGEDSERVE_CPU_KERNELS=0."""
     global _kernel
     if not enabled():
         return None
     if _kernel is _UNSET:
         _kernel = _build()
-    return _kernel  # type: ignore[return-value]
+    return _kernel
 
 
-NAME = "pagedserve_cpu_paged_decode"
+NAME = "pagedserve_cpu_kernels"
 # torch waits forever on the lock file of a build that was killed midway; one this
 # old is from such a build (a real one takes about a minute).
 STALE_LOCK_S = 600
@@ -96,7 +106,8 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = f"{ninja_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def _build() -> Callable[..., None] | None:
+def _build():
+    start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import load
 
@@ -108,16 +119,21 @@ def _build() -> Callable[..., None] | None:
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             logger.warning("removing a stale build lock left by a killed build: %s", lock)
             lock.unlink(missing_ok=True)
+        if not (directory / f"{NAME}.so").exists():
+            logger.info("building the C++ CPU kernels (attention, quantized linears) for this "
+                        "CPU with the system compiler, once (~1 min) into %s", directory)
         module = load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             build_directory=str(directory),
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, ...: keep the torch path
-        logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s",
+        logger.warning("C++ CPU kernels unavailable (attention takes the torch path, "
+                       "quantized linears their dense weights): %s",
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
-    return module.paged_decode_attention
+    logger.info("C++ CPU kernels ready (%.1f s)", time.perf_counter() - start)
+    return module

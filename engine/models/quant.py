@@ -1,0 +1,175 @@
+"""Weight-only quantized linears on CPU: int4 and int8 in groups of 32 input columns.
+
+A `Linear` keeps its dense weight and may also carry a `QuantizedWeight`: the same
+weight in 4 or 8 bits with float32 scales per group of 32 (the layout of GGUF's
+Q4_0 / Q4_1 / Q8_0, which therefore run exactly), multiplied by the C++ kernels
+of `kernels/cpu/quant_linear.cpp`. Those read 5-6x fewer bytes than a float32
+matmul, which is what a small decode batch costs on a memory-bound CPU, but they
+are GEMV-like: past a few rows a dense matmul wins. So a layer runs its quantized
+kernel for batches of at most `max_rows` rows and its dense weight above that
+(prefill chunks, wide decode batches). The dense weight holds the *dequantized*
+values, so both paths compute the same function of the same numbers.
+
+    int4 (asymmetric, Q4_1-like):  w = mins[n, g] + scales[n, g] * q,  q in [0, 15]
+    int4 (symmetric, Q4_0):        w = scales[n, g] * (q - 8)  (mins = -8 * scales)
+    int8 (symmetric, Q8_0):        w = scales[n, g] * q,       q in [-127, 127]
+
+(torch's own weight-only CPU kernels, `_weight_int4pack_mm_for_cpu` and
+`_weight_int8pack_mm`, take only bfloat16 scales: that rounding alone turned
+SmolLM2's Q4_1 weights into a model answering "L'Étoile" to "What is the
+capital of France?", so they are not used.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine import cpu_info
+
+QuantMethod = Literal["int8", "int4"]
+GROUP_SIZE = 32
+
+# Calls of each quantized kernel since start-up: tests check the kernel really ran.
+KERNEL_CALLS: Counter[str] = Counter()
+
+
+def default_max_rows() -> int:
+    """Largest batch for which the quantized kernels beat a dense matmul on this CPU.
+
+    `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: never use the quantized kernels).
+    Measured on SmolLM2's linears, 2 threads (benchmarks/linear_chain.py).
+    """
+    override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
+    if override:
+        return int(override)
+    return 8 if cpu_info.native_bf16_reason() else 16
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How to quantize one linear. `symmetric` int4 is GGUF's Q4_0 (no zero point)."""
+
+    method: QuantMethod
+    symmetric: bool = False
+
+
+def _kernels():
+    from kernels.cpu_kernels import cpu_kernels
+
+    return cpu_kernels()
+
+
+class QuantizedWeight:
+    """One linear's weight in int4/int8 (groups of 32, float32 scales) and its kernel."""
+
+    def __init__(self, spec: QuantSpec, data: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None, max_rows: int):
+        self.spec = spec
+        self.data = data  # int4: uint8 [N, K / 2] (two per byte); int8: int8 [N, K]
+        self.scales = scales  # float32 [N, K / 32]
+        self.mins = mins  # int4: float32 [N, K / 32]; int8: None
+        self.max_rows = max_rows
+        self.out_features = scales.shape[0]
+        self.in_features = scales.shape[1] * GROUP_SIZE
+        self._kernel = _kernels()
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def serves(self, num_rows: int) -> bool:
+        return self._kernel is not None and num_rows <= self.max_rows
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> x @ w.T + bias, [M, N] in x's dtype."""
+        x32 = x.to(torch.float32).contiguous()
+        if self.spec.method == "int4":
+            KERNEL_CALLS["int4"] += 1
+            out = self._kernel.int4_linear(x32, self.data, self.scales, self.mins)
+        else:
+            KERNEL_CALLS["int8"] += 1
+            out = self._kernel.int8_linear(x32, self.data, self.scales)
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] these integers stand for."""
+        n, k = self.out_features, self.in_features
+        if self.spec.method == "int8":
+            q = self.data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        else:
+            q = unpack_int4(self.data).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        weight = q * self.scales.unsqueeze(-1)
+        if self.mins is not None:
+            weight = weight + self.mins.unsqueeze(-1)
+        return weight.view(n, k)
+
+
+def can_quantize(out_features: int, in_features: int) -> bool:
+    return in_features % GROUP_SIZE == 0
+
+
+def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
+             ) -> QuantizedWeight:
+    """Quantize a float weight [N, K], round to nearest, per group of 32 columns.
+
+    Values that already lie on such a grid (a dequantized GGUF Q4_0/Q4_1/Q8_0 tensor)
+    come back exactly, up to float32 rounding of the recomputed scale.
+    """
+    n, k = weight.shape
+    if not can_quantize(n, k):
+        raise ValueError(f"cannot quantize a [{n}, {k}] weight: K must be a multiple of 32")
+    max_rows = default_max_rows() if max_rows is None else max_rows
+    w = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    if spec.method == "int8":
+        # Worked example, a group [0.5, -1.27, 0.1, ...]: scale = 1.27 / 127 = 0.01,
+        # q = round(w / scale) = [50, -127, 10, ...].
+        scales = w.abs().amax(dim=-1) / 127
+        q = torch.round(w / _nonzero(scales).unsqueeze(-1)).clamp(-127, 127)
+        return QuantizedWeight(spec, q.to(torch.int8).view(n, k).contiguous(),
+                               scales.contiguous(), None, max_rows)
+    if spec.symmetric:
+        # Q4_0: the value of largest magnitude v sits at q = 0, so scale = -v / 8.
+        # Example, a group [0.8, -0.2, 0.4, ...]: scale = -0.1, q = round(w / scale) + 8
+        # = [0, 10, 4, ...], and scale * (q - 8) = [0.8, -0.2, 0.4, ...].
+        index = w.abs().argmax(dim=-1, keepdim=True)
+        scales = -w.gather(-1, index).squeeze(-1) / 8
+        q = torch.round(w / _nonzero(scales).unsqueeze(-1)) + 8
+        mins = -8 * scales
+    else:
+        # Q4_1: example group [-0.3, 0.0, 0.45, ...] with min -0.3, max 0.45:
+        # scale = 0.75 / 15 = 0.05, q = round((w - min) / scale) = [0, 6, 15, ...].
+        mins = w.amin(dim=-1)
+        scales = (w.amax(dim=-1) - mins) / 15
+        q = torch.round((w - mins.unsqueeze(-1)) / _nonzero(scales).unsqueeze(-1))
+    q = q.clamp(0, 15).to(torch.uint8).view(n, k)
+    return QuantizedWeight(spec, pack_int4(q), scales.contiguous(), mins.contiguous(), max_rows)
+
+
+def _nonzero(scales: torch.Tensor) -> torch.Tensor:
+    """Scales with 0 replaced by 1 for dividing (an all-zero group quantizes to q = 0)."""
+    return torch.where(scales == 0, torch.ones_like(scales), scales)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> [N, K / 2]: per group of 32, byte j = q[j] | q[j + 16] << 4.
+
+    Example, one group q = [0, 1, ..., 15, 15, 14, ..., 0]: byte 0 = 0 | 15 << 4 = 0xF0,
+    byte 1 = 1 | 14 << 4 = 0xE1, ..., byte 15 = 15 | 0 << 4 = 0x0F.
+    """
+    n, k = q.shape
+    groups = q.view(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [N, K / 2] -> uint8 [N, K]."""
+    n, half = packed.shape
+    groups = packed.view(n, half // (GROUP_SIZE // 2), 1, GROUP_SIZE // 2)
+    return torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(n, half * 2)
