@@ -51,6 +51,7 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flash_attn | triton
+    cpu_threads: int | None = None  # CPU compute threads; None = the CPUs we may use
 
 
 @dataclass(frozen=True)

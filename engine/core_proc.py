@@ -17,7 +17,6 @@ frontend sends Shutdown, when its parent process is gone, or after sending Engin
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
@@ -55,12 +54,27 @@ logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
 _EMPTY_STEP_WAIT_S = 0.005
-# The core runs at a lower CPU priority than the frontend (every thread it starts
-# inherits it): the core is throughput-bound and keeps the CPU busy, while the frontend
-# is latency-bound (HTTP, /health, SSE) and needs little CPU, but needs it at once. On
-# a loaded 2-core machine this keeps /health under ~30 ms instead of ~50-110 ms during
-# long prefills, for ~5% of the core's throughput there.
-CORE_NICENESS = 5
+# The core runs at the default CPU priority. (It once ran at nice +5 to keep /health
+# fast during long prefills; but then any other busy process on the machine -- a
+# client, a sidecar, a test -- starved the compute thread sharing its core, and since
+# every parallel region waits for its slowest thread, one greedy request ran 20x
+# slower. The core's threads follow the CPUs it may use instead: see
+# `configure_compute_threads`.)
+
+
+def configure_compute_threads(requested: int | None = None) -> int:
+    """One torch compute thread per CPU this process may use (affinity, cgroup quota),
+    or `requested` (--cpu-threads); returns the count. More threads than CPUs would
+    have every parallel region wait for a thread that is not running."""
+    import torch
+
+    from engine import cpu_info
+
+    num_threads = requested or cpu_info.cpu_budget().num_threads
+    torch.set_num_threads(num_threads)
+    logger.info("compute threads: %d (%s)", num_threads,
+                "--cpu-threads" if requested else cpu_info.describe())
+    return num_threads
 
 
 @dataclass(frozen=True)
@@ -191,14 +205,13 @@ def run_engine_core(
     # a Ctrl-C or SIGTERM sent to the whole process group must not kill us mid-drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError):  # before any thread starts: they inherit it
-        os.nice(CORE_NICENESS)
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s",
     )
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                      name="parent-watch").start()
+    configure_compute_threads(config.device_config.cpu_threads)
 
     context = zmq.Context()
     output_socket = context.socket(zmq.PUSH)

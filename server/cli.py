@@ -167,6 +167,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "checkpoint at load (groups of 32 columns); 'none' keeps every linear dense.",
          choices=["auto", "none", "int8", "int4"], default="auto")
     flag("--device", "Where the model runs.", choices=["auto", "cpu", "cuda"], default="auto")
+    flag("--cpu-threads", "CPU compute threads of the engine. Default: one per CPU this "
+         "process may use (its affinity, capped by a container's CPU quota).",
+         type=_positive_int)
     flag("--attention-backend", "Attention implementation.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
     flag("--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
@@ -230,7 +233,8 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy),
-        device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend),
+        device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend,
+                                   cpu_threads=args.cpu_threads),
     )
 
 

@@ -204,8 +204,13 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str) -> Path:
-    """Write the tiny HF checkpoint in `hf_dir` as a float32 GGUF file like llama.cpp would."""
+def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
+                    matrix_type=None) -> Path:
+    """Write the tiny HF checkpoint in `hf_dir` as a GGUF file like llama.cpp would.
+
+    float32, or with every 2-D weight (linears, embedding) quantized to `matrix_type`
+    (a gguf.GGMLQuantizationType such as Q4_1) by gguf's own quantizer.
+    """
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -248,14 +253,21 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str) -> Pat
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
+    def add_tensor(gguf_name: str, weight: np.ndarray) -> None:
+        if matrix_type is not None and weight.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, matrix_type),
+                              raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(gguf_name, weight)
+
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, weight in state.items():
         if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", weight)
+            add_tensor("token_embd.weight", weight)
         elif name == "model.norm.weight":
-            writer.add_tensor("output_norm.weight", weight)
+            add_tensor("output_norm.weight", weight)
         elif name == "lm_head.weight":
-            writer.add_tensor("output.weight", weight)
+            add_tensor("output.weight", weight)
         else:
             _, _, layer, rest = name.split(".", 3)
             module, leaf = rest.rsplit(".", 1)
@@ -267,7 +279,7 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str) -> Pat
                 weight = _llama_cpp_permute(weight, config.num_attention_heads)
             if arch == "llama" and module == "self_attn.k_proj":
                 weight = _llama_cpp_permute(weight, config.num_key_value_heads)
-            writer.add_tensor(f"blk.{layer}.{_TO_GGUF[module]}.{leaf}", weight)
+            add_tensor(f"blk.{layer}.{_TO_GGUF[module]}.{leaf}", weight)
     for (layer, proj), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",

@@ -198,15 +198,22 @@ def test_paged_chunked_prefill_and_decode_match_hf(tmp_path, prompts):
     assert_logits_close(ours_logits, hf_logits(load_hf(model_dir), requests))
 
 
-def test_resolve_dtype():
+def test_resolve_dtype(monkeypatch):
+    from engine import cpu_info
+
     config = tiny_config("llama")
     config.dtype = torch.float16
-    assert resolve_dtype(config, "auto", "cpu") == torch.bfloat16
+    # auto on CPU follows the hardware, whatever the checkpoint says.
+    for flags, expected in [({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+                            ({"avx2", "amx_bf16"}, torch.bfloat16),
+                            ({"avx2", "fma"}, torch.float32), (set(), torch.float32)]:
+        monkeypatch.setattr(cpu_info, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_dtype(config, "auto", "cpu") == expected, flags
     assert resolve_dtype(config, "auto", "cuda") == torch.float16
     assert resolve_dtype(config, "float16", "cpu") == torch.float16
     assert resolve_dtype(config, "float32", "cpu") == torch.float32
     config.dtype = None
-    assert resolve_dtype(config, "auto", "cpu") == torch.float32
+    assert resolve_dtype(config, "auto", "cuda") == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype(config, "int8", "cpu")
 

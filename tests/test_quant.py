@@ -1,0 +1,172 @@
+"""Weight-only int4/int8 linears: the C++ kernels against their torch reference, exact
+GGUF Q4_0/Q4_1/Q8_0 round trips, and greedy parity of quantized models with
+transformers run on the same (dequantized-back) weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
+
+import kernels.cpu_kernels
+from engine import LLM, SamplingParams
+from engine.model_loader import load_model, resolve_model
+from engine.models.layers import Linear, MergedLinear
+from engine.models.quant import (
+    KERNEL_CALLS,
+    QuantSpec,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from engine.models.weight_utils import map_weight_name
+from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.model_fixtures import build_tiny_checkpoint, build_tiny_gguf
+
+needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
+                                   reason="no C++ compiler/ninja to build the CPU kernels")
+SPECS = [QuantSpec("int4"), QuantSpec("int4", symmetric=True), QuantSpec("int8")]
+PROMPTS = [[1, 5, 9, 13, 17, 21], [2, 4, 6], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 30, 31], [100]]
+
+
+def test_pack_int4_layout_and_round_trip():
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64)
+    packed = pack_int4(q)
+    assert packed.shape == (1, 32)
+    # group 0: byte j = q[j] | q[j + 16] << 4, with q[j + 16] = j
+    assert packed[0, 1].item() == 0x11 and packed[0, 15].item() == 0xFF
+    random = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(random)), random)
+
+
+@pytest.mark.parametrize("ggml_type,spec", [
+    (gguf.GGMLQuantizationType.Q4_1, QuantSpec("int4")),
+    (gguf.GGMLQuantizationType.Q4_0, QuantSpec("int4", symmetric=True)),
+    (gguf.GGMLQuantizationType.Q8_0, QuantSpec("int8")),
+])
+def test_gguf_grid_values_requantize_exactly(ggml_type, spec):
+    """A dequantized GGUF tensor, quantized again, gives back the same values."""
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((64, 128)) * rng.uniform(0.01, 3, (64, 1))).astype(np.float32)
+    values = torch.from_numpy(dequantize(gguf_quantize(weight, ggml_type), ggml_type).copy())
+    again = quantize(values, spec, max_rows=0).dequantized()
+    torch.testing.assert_close(again, values, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("num_rows,out_features,in_features",
+                         [(1, 48, 64), (3, 100, 96), (16, 64, 320), (40, 16, 32)])
+def test_kernel_matches_torch_reference(spec, num_rows, out_features, in_features):
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features) * 0.1
+    weight[0, :32] = 0.0  # an all-zero group
+    qw = quantize(weight, spec, max_rows=1 << 20)
+    x = torch.randn(num_rows, in_features)
+    bias = torch.randn(out_features)
+    reference = torch.nn.functional.linear(x, qw.dequantized(), bias)
+    torch.testing.assert_close(qw.matmul(x, bias), reference, atol=1e-4, rtol=1e-4)
+    # bfloat16 activations go through the same kernel and come back in bfloat16
+    out_bf16 = qw.matmul(x.bfloat16(), None)
+    assert out_bf16.dtype == torch.bfloat16
+    # and quantization is close to the original weight (half a step per value)
+    step = (weight.abs().max() / (7 if spec.method == "int4" else 127)).item()
+    assert (qw.dequantized() - weight).abs().max().item() <= step
+
+
+@needs_kernels
+def test_kernel_rejects_bad_inputs():
+    module = kernels.cpu_kernels.cpu_kernels()
+    qw = quantize(torch.randn(16, 64), QuantSpec("int4"), max_rows=8)
+    with pytest.raises(RuntimeError, match="columns"):
+        module.int4_linear(torch.randn(2, 32), qw.data, qw.scales, qw.mins)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.int4_linear(torch.randn(2, 64).double(), qw.data, qw.scales, qw.mins)
+    with pytest.raises(RuntimeError, match="mins"):
+        module.int4_linear(torch.randn(2, 64), qw.data, qw.scales, qw.mins[:, :1].contiguous())
+
+
+def test_linear_uses_kernel_for_small_batches_and_dense_weight_above():
+    layer = Linear(64, 32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 64))
+    assert layer.quantize(QuantSpec("int8"), max_rows=4)
+    # the dense weight now holds the dequantized values
+    torch.testing.assert_close(layer.weight.data, layer.quantized.dequantized())
+    if layer.quantized.serves(4):
+        before = KERNEL_CALLS["int8"]
+        layer(torch.randn(4, 64))
+        assert KERNEL_CALLS["int8"] == before + 1
+    before = KERNEL_CALLS["int8"]
+    layer(torch.randn(5, 64))
+    assert KERNEL_CALLS["int8"] == before
+    assert not Linear(40, 16).quantize(QuantSpec("int4"))  # K not a multiple of 32
+
+
+def export_dense_checkpoint(model, source_dir, out_dir):
+    """Save a HF checkpoint of `source_dir`'s model with our (dequantized) dense weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            target, shard = map_weight_name(name)
+            if target.startswith("lm_head.") and target not in ours:
+                target = "model.embed_tokens.weight"  # tied
+            value = ours[target]
+            if shard is not None:
+                merged = model.get_submodule(target.rpartition(".")[0])
+                assert isinstance(merged, MergedLinear)
+                value = value.narrow(0, merged.offsets[shard], merged.output_sizes[shard])
+            param.copy_(value)
+    hf.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(source_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def greedy_tokens(model_dir, quantization: str, max_tokens: int) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float32", quantization=quantization, max_model_len=256)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                   ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,method", [("llama", "int4"), ("qwen3", "int8")])
+def test_quantized_tiny_model_matches_transformers_on_dequantized_weights(tmp_path, arch,
+                                                                          method):
+    model_dir = build_tiny_checkpoint(tmp_path / "hf", arch, tie_word_embeddings=True)
+    ours = load_model(model_dir, torch.float32, "cpu", method)
+    report = ours.quantization_report
+    assert "lm_head" in report.specs and not report.dense_modules
+    reference_dir = export_dense_checkpoint(ours, model_dir, tmp_path / "dequantized")
+    before = KERNEL_CALLS[method]
+    max_tokens = 16
+    got = greedy_tokens(model_dir, method, max_tokens)
+    # Every decode step (4 rows) ran every linear through the quantized kernel.
+    assert KERNEL_CALLS[method] - before >= len(report.specs) * (max_tokens - 1)
+    reference = hf_greedy_reference(reference_dir, PROMPTS, max_tokens, ignore_eos=True)
+    assert assert_greedy_matches(got, reference) <= 1
+
+
+@needs_kernels
+def test_q4_1_gguf_is_served_in_its_own_precision(tmp_path):
+    """--quantization auto: a Q4_1 GGUF runs as int4 with exactly its own values."""
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "llama")
+    gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny.Q4_1.gguf", "llama",
+                                matrix_type=gguf.GGMLQuantizationType.Q4_1)
+    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    dense = load_model(converted, torch.float32, "cpu", "none")
+    ours = load_model(converted, torch.float32, "cpu", "auto")
+    report = ours.quantization_report
+    assert {s.method for s in report.specs.values()} == {"int4"}
+    assert "lm_head" in report.specs and not report.dense_modules
+    for (name, a), (_, b) in zip(dense.named_parameters(), ours.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
+    got = greedy_tokens(converted, "auto", 12)
+    reference = hf_greedy_reference(converted, PROMPTS, 12, ignore_eos=True)
+    assert assert_greedy_matches(got, reference) <= 1
