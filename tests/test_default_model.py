@@ -1,6 +1,9 @@
 """The real default model (SmolLM2-135M-Instruct from its GGUF) against transformers.
 
-8 chat prompts, 64 greedy tokens each, fp32, token-exact up to the near-tie rule.
+8 chat prompts, 64 greedy tokens each, fp32, token-exact up to the near-tie rule. The
+model is served as its GGUF stores it (--quantization auto: Q4_1 linears as int4, the
+Q8_0 embedding/lm_head as int8), and those integers dequantize exactly to the weights
+of the converted checkpoint transformers runs.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.quant import KERNEL_CALLS
 from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
 
 pytestmark = pytest.mark.slow
@@ -33,8 +37,12 @@ def llm() -> LLM:
 def test_default_model_matches_transformers(llm: LLM):
     prompts = [llm.apply_chat_template([{"role": "user", "content": text}])
                for text in CHAT_PROMPTS]
+    before = dict(KERNEL_CALLS)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
                            use_tqdm=False)
+    # 8 rows per decode step: every step ran the 120 int4 linears and the int8 lm_head.
+    assert KERNEL_CALLS["int4"] - before.get("int4", 0) >= 120 * (MAX_NEW_TOKENS - 1)
+    assert KERNEL_CALLS["int8"] - before.get("int8", 0) >= MAX_NEW_TOKENS - 1
     ours = [o.outputs[0].token_ids for o in outputs]
     reference = hf_greedy_reference(llm.model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=False)
     num_flips = assert_greedy_matches(ours, reference)
