@@ -147,6 +147,13 @@ class _CoreProcess:
         self.output_socket = context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
         spawn = multiprocessing.get_context("spawn")
+        # The child reads OpenMP's settings from the environment when torch loads.
+        # PASSIVE: a compute thread that waits at a barrier sleeps instead of spinning.
+        # With another busy process on the machine (a client, a sidecar, a test), a
+        # spinning waiter takes the CPU its partner needs to finish the region: one
+        # request measured >350 s instead of 8.6 s with one hog on 2 cores (59 ms vs
+        # 55-57 ms per token on an idle machine). A value the user set is kept.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.process = spawn.Process(
             target=run_engine_core,
             args=(config, executor_spec, input_address, output_address, os.getpid(), log_level),

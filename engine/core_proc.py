@@ -17,6 +17,7 @@ frontend sends Shutdown, when its parent process is gone, or after sending Engin
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -54,12 +55,13 @@ logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
 _EMPTY_STEP_WAIT_S = 0.005
-# The core runs at the default CPU priority. (It once ran at nice +5 to keep /health
-# fast during long prefills; but then any other busy process on the machine -- a
-# client, a sidecar, a test -- starved the compute thread sharing its core, and since
-# every parallel region waits for its slowest thread, one greedy request ran 20x
-# slower. The core's threads follow the CPUs it may use instead: see
-# `configure_compute_threads`.)
+# The core runs at the default CPU priority (PAGEDSERVE_CORE_NICE=N lowers it). It
+# once ran at nice +5 to keep /health fast during long prefills; but then any other
+# busy process on the machine -- a client, a sidecar, a test -- starved the compute
+# thread sharing its core, and since every parallel region waits for its slowest
+# thread, one greedy request ran 20x slower. The core's threads follow the CPUs it
+# may use (`configure_compute_threads`) and sleep at barriers (OMP_WAIT_POLICY,
+# set by the frontend in engine/core_client.py).
 
 
 def configure_compute_threads(requested: int | None = None) -> int:
@@ -205,6 +207,10 @@ def run_engine_core(
     # a Ctrl-C or SIGTERM sent to the whole process group must not kill us mid-drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    niceness = int(os.environ.get("PAGEDSERVE_CORE_NICE", "0"))
+    if niceness:
+        with contextlib.suppress(OSError):  # before any thread starts: they inherit it
+            os.nice(niceness)
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s",
