@@ -8,13 +8,10 @@ feature flags and the cores this process is allowed, never tuned to one machine.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache

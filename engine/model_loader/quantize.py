@@ -63,8 +63,8 @@ def plan_quantization(model: nn.Module, requested: str, model_dir: str | Path | 
         return dict.fromkeys(linears)
     if requested in ("int8", "int4"):
         if torch.device(device).type != "cpu":
-            raise ValueError(f"--quantization {requested} runs on the CPU only (torch's "
-                             "weight-only CPU kernels); on CUDA use --quantization none")
+            raise ValueError(f"--quantization {requested} runs on the CPU only (the C++ "
+                             "kernels of kernels/cpu/quant_linear.cpp); on CUDA use --quantization none")
         spec = QuantSpec(requested)
         return dict.fromkeys(linears, spec)
     gguf_types = _read_gguf_types(model_dir)

@@ -21,20 +21,9 @@
 #include <cstring>
 #include <vector>
 
+#include "vec8.h"
+
 namespace {
-
-// 8 floats, one AVX register (GCC/Clang vector extension; plain loops elsewhere).
-typedef float vec8 __attribute__((vector_size(32)));
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum8(vec8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
 
 // Ask for the next block while this one is computed: blocks are scattered, so the
 // hardware prefetcher cannot guess where the next 4 KiB (or so) come from.

@@ -28,22 +28,13 @@
 #include <immintrin.h>
 #endif
 
+#include "vec8.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;
-typedef float vec8 __attribute__((vector_size(32)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int8_t i8x8 __attribute__((vector_size(8)));
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum8(vec8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
 
 // The 32 quantized values of one group as four vectors of 8 floats (unscaled).
 inline void decode_int4(const uint8_t* bytes, vec8 out[4]) {
@@ -56,8 +47,7 @@ inline void decode_int4(const uint8_t* bytes, vec8 out[4]) {
   out[1] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
   out[2] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
   out[3] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-  return;
-#endif
+#else
   u8x8 b0, b1;
   std::memcpy(&b0, bytes, 8);
   std::memcpy(&b1, bytes + 8, 8);
@@ -65,6 +55,7 @@ inline void decode_int4(const uint8_t* bytes, vec8 out[4]) {
   out[1] = __builtin_convertvector(b1 & 0x0F, vec8);
   out[2] = __builtin_convertvector(b0 >> 4, vec8);
   out[3] = __builtin_convertvector(b1 >> 4, vec8);
+#endif
 }
 
 inline void decode_int8(const int8_t* values, vec8 out[4]) {
@@ -73,13 +64,13 @@ inline void decode_int8(const int8_t* values, vec8 out[4]) {
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + 8 * i));
     out[i] = (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
   }
-  return;
-#endif
+#else
   for (int i = 0; i < 4; ++i) {
     i8x8 v;
     std::memcpy(&v, values + 8 * i, 8);
     out[i] = __builtin_convertvector(v, vec8);
   }
+#endif
 }
 
 void check_common(const torch::Tensor& x, const torch::Tensor& scales, int64_t num_out,
