@@ -6,6 +6,8 @@
   gather moves more bytes per step than the attention itself reads.
 - `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
   with float32 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
+- `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
+  residual add, RoPE, SiLU x up, the KV-cache write), one call each.
 
 The extension is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
 `-march=native`, so for this machine; ~45 s on 2 cores) into
@@ -30,7 +32,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_decode.cpp", "quant_linear.cpp", "bindings.cpp")]
+           for name in ("paged_decode.cpp", "quant_linear.cpp", "fused_ops.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET
@@ -50,6 +52,14 @@ def paged_decode_kernel() -> Callable[..., None] | None:
     """
     module = cpu_kernels()
     return None if module is None else module.paged_decode_attention
+
+
+def fused_ops_for(tensor) -> object | None:
+    """The kernel module when `tensor` lives on the CPU and the kernels are built, else
+    None (the caller then takes its torch path). Cheap enough for every op call."""
+    if tensor.device.type != "cpu":
+        return None
+    return cpu_kernels()
 
 
 def cpu_kernels():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.quant import QuantizedWeight, QuantSpec, can_quantize, quantize
+from kernels.cpu_kernels import fused_ops_for
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -27,14 +28,34 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 over the last dim."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 over the last dim.
+
+    With `residual`, the residual add comes first and both results return:
+    `norm(x, residual)` -> (rms_norm(x + residual), x + residual), the pair a decoder
+    layer passes on. On the CPU, 2-D inputs take one fused C++ call (which overwrites
+    x and residual with those results); `forward_torch` is the reference.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = fused_ops_for(x) if x.dim() == 2 else None
+        if ops is None:
+            return self.forward_torch(x, residual)
+        if residual is None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out
+        ops.add_rms_norm_(x, residual, self.weight, self.eps)
+        return x, residual
+
+    def forward_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            residual = x + residual
+            return self.forward_torch(residual), residual
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -108,9 +129,18 @@ class VocabEmbedding(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """x [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
+    """x [..., 2I] = [gate | up] -> silu(gate) * up, [..., I] (one C++ call on the CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x) if x.dim() == 2 else None
+        if ops is None:
+            return self.forward_torch(x)
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)
+        ops.silu_and_mul(out, x)
+        return out
+
+    @staticmethod
+    def forward_torch(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

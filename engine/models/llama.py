@@ -6,6 +6,10 @@ Layout, per token (T tokens of any number of requests, flattened):
                       post_attention_layernorm -> mlp -> +residual ] x L
                  -> norm -> (compute_logits) lm_head
 
+Each "+residual" is folded into the norm that follows it (`RMSNorm(x, residual)`):
+a layer returns its MLP output and the residual stream separately, so the add and
+the next norm are one fused op on the CPU.
+
 Module names mirror the HF checkpoint's, except that q/k/v live in one
 `qkv_proj` and gate/up in one `gate_up_proj` (filled shard by shard at load).
 """
@@ -21,7 +25,7 @@ from torch import nn
 
 from engine.attention import Attention
 from engine.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, VocabEmbedding
-from engine.models.rotary import RotaryEmbedding, apply_rotary
+from engine.models.rotary import RotaryEmbedding, apply_rotary_qk
 from engine.models.weight_utils import load_named_weights
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ class DecoderAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
@@ -71,9 +75,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous layer's output, residual stream) -> (this layer's MLP output, stream).
+
+        The first layer gets residual None: its input is the stream. The inputs may be
+        overwritten (the fused norms work in place).
+        """
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class DecoderModel(nn.Module):
@@ -89,9 +104,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        return self.norm(hidden_states, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

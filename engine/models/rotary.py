@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu_kernels import fused_ops_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -143,6 +145,17 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] rotated by `apply_rotary`; on the CPU both in place,
+    in one C++ call (q and k may be views into the fused qkv output)."""
+    ops = fused_ops_for(q)
+    if ops is None:
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ops.rotary_neox_(q, k, cos, sin)
+    return q, k
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
 from kernels.cpu_kernels import HEAD_SIZES as KERNEL_HEAD_SIZES
-from kernels.cpu_kernels import paged_decode_kernel
+from kernels.cpu_kernels import fused_ops_for, paged_decode_kernel
 
 
 def write_to_kv_cache(
@@ -39,6 +39,18 @@ def write_to_kv_cache(
     key/value [T, Hkv, D]. Example (block_size 4): slot 9 -> block 2, offset 1,
     which is row 9 of the cache viewed as [2, Hkv, num_blocks * block_size, D].
     """
+    ops = fused_ops_for(kv_cache) if kv_cache.is_contiguous() else None
+    if ops is not None and slot_mapping.dtype == torch.int64:
+        ops.write_kv_cache(key, value, kv_cache, slot_mapping.contiguous())  # one C++ call
+    else:
+        write_to_kv_cache_torch(key, value, kv_cache, slot_mapping, all_slots_valid)
+
+
+def write_to_kv_cache_torch(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    all_slots_valid: bool,
+) -> None:
+    """`write_to_kv_cache` in torch ops: the reference, and the path off the CPU."""
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_size)
     if not all_slots_valid:
