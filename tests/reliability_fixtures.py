@@ -105,11 +105,13 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
-def wait_gone(pids: list[int], timeout_s: float = 3.0) -> dict[int, str]:
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> dict[int, str]:
     """Wait until none of `pids` is alive; return the survivors' command lines.
 
     (multiprocessing's resource tracker leaves a moment after its parent: it exits when
-    it reads the end of the pipe the parent held.)
+    it reads the end of the pipe the parent held.) The deadline is generous: they are
+    gone within milliseconds on an idle machine, later on a busy one; a process that
+    really stays stays past any deadline.
     """
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,6 +1,7 @@
 """A busy engine stays observable: 16 concurrent prompts near max_model_len (and a few
 over it) on the real model path; the over-long get 400, the rest complete, and /health
-answers in under 100 ms throughout (measured). Also: hostile sampling values through
+stays fast throughout (20 answers measured under the load: median under 100 ms, none
+over 1 s; see HEALTH_P50_LIMIT_S). Also: hostile sampling values through
 the real sampler never fail a step, and SIGTERM stops the CLI server cleanly (exit 0,
 no child process left).
 
@@ -23,12 +24,21 @@ import httpx
 import pytest
 
 from tests.model_fixtures import build_tiny_checkpoint
-from tests.reliability_fixtures import child_pids, pid_alive, wait_gone
+from tests.reliability_fixtures import child_pids, metric, pid_alive, wait_gone
 from tests.server_fixtures import ServerProcess
 
 MAX_MODEL_LEN = 512
 VOCAB = 400  # the tiny tokenizer's ids; the model's embedding has 512 rows
-HEALTH_LIMIT_S = 0.1
+# /health under the load of 16 long prefills (20 samples, taken while it lasts).
+# Measured on a 2-core machine: p50 6 ms, max 27 ms idle; p50 9-13 ms, max 56-102 ms
+# with one CPU hog beside the server. The typical answer (the median) must stay under
+# 100 ms: a /health queued behind model work would wait for steps (up to ~0.1 s each
+# here idle, longer on a busy machine) or for the whole load (0.6-2.6 s). A single
+# answer may be delayed by the OS scheduler when the machine is oversubscribed (two
+# cores, the engine core computing, the frontend streaming, other jobs), so the worst
+# one gets 1 s, still well under the time the load takes on a busy machine.
+HEALTH_P50_LIMIT_S = 0.1
+HEALTH_MAX_LIMIT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -50,45 +60,65 @@ def server(tmp_path_factory):
         proc.stop()
 
 
+NUM_HEALTH_SAMPLES = 20
+
 _PROBE = """
 import json, sys, time, httpx
+count = int(sys.argv[2])
 samples = []
-try:
-    with httpx.Client(base_url=sys.argv[1], timeout=5) as client:
-        client.get("/health")  # connect first: measure answers, not TCP set-up
-        print("ready", flush=True)
-        while True:
-            started = time.perf_counter()
-            status = client.get("/health").status_code
-            samples.append((time.time(), status, time.perf_counter() - started))
-            time.sleep(0.02)
-except KeyboardInterrupt:
-    pass
+with httpx.Client(base_url=sys.argv[1], timeout=60) as client:
+    client.get("/health")  # connect first: measure answers, not TCP set-up
+    print("ready", flush=True)
+    sys.stdin.readline()  # "go": the load is running
+    for _ in range(count):
+        started = time.perf_counter()
+        status = client.get("/health").status_code
+        samples.append((time.time(), status, time.perf_counter() - started))
+        time.sleep(0.02)
 print(json.dumps(samples), flush=True)
 """
 
 
 class HealthProbe:
-    """Polls /health every 20 ms from its own process (so the test's own work cannot
-    delay it) until `stop()`, which returns (time.time(), status, latency) samples."""
+    """Takes `count` /health samples, 20 ms apart, from its own process (so the test's
+    own work cannot delay it) once `go()` is called; `result()` waits for them:
+    (time.time(), status, latency) each. A fixed count, not a wall-clock window: how
+    many fit into the load must not depend on how fast the machine is."""
 
-    def __init__(self, url: str):
-        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, url],
-                                        stdout=subprocess.PIPE, text=True)
+    def __init__(self, url: str, count: int):
+        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, url, str(count)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
         assert self.process.stdout.readline().strip() == "ready"
 
-    def stop(self) -> list[tuple[float, int, float]]:
-        self.process.send_signal(signal.SIGINT)
-        out, _ = self.process.communicate(timeout=30)
+    def go(self) -> None:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def done(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self) -> list[tuple[float, int, float]]:
+        out, _ = self.process.communicate(timeout=600)
+        assert self.process.returncode == 0, out
         return [tuple(sample) for sample in json.loads(out)]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def long_prompt(rng: random.Random) -> list[int]:
+    """A prompt near the context: a prefill of ~500 tokens."""
+    return [rng.randrange(3, VOCAB) for _ in range(MAX_MODEL_LEN - 8 - rng.randrange(0, 40))]
 
 
 def test_long_prompts_and_health_latency(server):
     rng = random.Random(0)
     prompts = []
     for _ in range(16):  # near the context: prefills of ~500 tokens each
-        length = MAX_MODEL_LEN - 8 - rng.randrange(0, 40)
-        prompts.append(([rng.randrange(3, VOCAB) for _ in range(length)], 8, "fits"))
+        prompts.append((long_prompt(rng), 8, "fits"))
     for excess in (4, 9, 500):  # prompt + max_tokens over the context by this much
         length = MAX_MODEL_LEN - 8 + excess
         prompts.append(([rng.randrange(3, VOCAB) for _ in range(length)], 8, "too long"))
@@ -99,17 +129,44 @@ def test_long_prompts_and_health_latency(server):
         response = await client.post("/v1/completions", json=body)
         return response
 
+    async def busy(client) -> bool:
+        text = (await client.get("/metrics")).text
+        return any(metric(text, name) for name in ("num_requests_running",
+                                                   "num_requests_waiting"))
+
+    async def worker(client, i: int, ids, max_tokens, kind):
+        """Prompt `i`; then, for the 16 that fit, long prompts one after another until the
+        probe has all its samples: the load lasts as long as the measuring, however slow
+        the machine is, and stays at 16 concurrent long prompts."""
+        first = await one(client, ids, max_tokens, i % 2 == 0)
+        extra = []
+        while kind == "fits" and not probe.done():
+            ids = long_prompt(random.Random(i * 1000 + len(extra)))
+            extra.append(await one(client, ids, 8, False))
+        return first, extra
+
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            return await asyncio.gather(*(one(client, ids, mt, i % 2 == 0)
-                                          for i, (ids, mt, _) in enumerate(prompts)))
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+            load = asyncio.gather(*(worker(client, i, *prompt)
+                                    for i, prompt in enumerate(prompts)))
+            deadline = time.monotonic() + 300
+            while not await busy(client):  # the engine has the load: start measuring
+                assert time.monotonic() < deadline and not load.done(), "no load seen"
+                await asyncio.sleep(0.01)
+            probe.go()
+            return await load
 
-    probe = HealthProbe(server.url)
-    started = time.time()
-    responses = asyncio.run(main())
-    elapsed = time.time() - started
-    samples = probe.stop()
+    probe = HealthProbe(server.url, NUM_HEALTH_SAMPLES)
+    try:
+        started = time.time()
+        results = asyncio.run(main())
+        elapsed = time.time() - started
+        samples = probe.result()
+    finally:
+        probe.kill()
 
+    responses = [first for first, _ in results]
+    extra = [response for _, more in results for response in more]
     for (_, _, kind), response in zip(prompts, responses, strict=True):
         if kind == "too long":
             assert response.status_code == 400, response.text
@@ -126,17 +183,22 @@ def test_long_prompts_and_health_latency(server):
             assert tokens > 0
         else:
             assert response.json()["usage"]["completion_tokens"] == 8
+    for response in extra:
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
     statuses = {status for _, status, _ in samples}
     latencies = sorted(latency for _, _, latency in samples)
     assert statuses == {200}, samples
-    assert len(latencies) >= 10
+    assert len(latencies) == NUM_HEALTH_SAMPLES
     worst = latencies[-1]
     p50 = latencies[len(latencies) // 2]
-    print(f"\n16 long prompts in {elapsed:.1f} s; /health: {len(latencies)} probes, "
-          f"p50 {p50 * 1000:.1f} ms, max {worst * 1000:.1f} ms")
+    print(f"\n16 long prompts (+{len(extra)} more to keep the load up) in {elapsed:.1f} s; "
+          f"/health: {len(latencies)} probes, p50 {p50 * 1000:.1f} ms, "
+          f"max {worst * 1000:.1f} ms")
     slow = [(round(t - started, 3), round(latency, 3))
             for t, _, latency in samples if latency > 0.05]
-    assert worst < HEALTH_LIMIT_S, f"slow /health answers (seconds into the load, latency): {slow}"
+    assert p50 < HEALTH_P50_LIMIT_S and worst < HEALTH_MAX_LIMIT_S, \
+        f"slow /health answers (seconds into the load, latency): {slow}"
 
 
 HOSTILE_SAMPLING = [
