@@ -563,6 +563,12 @@ def test_cors(server):
     assert "access-control-allow-origin" not in other.headers
 
 
+# Deadlines for the dead-engine tests: generous, since each wait ends as soon as its
+# condition holds (the frontend notices a dead core within ~0.1 s; a dead engine's 503
+# is answered at once); what they catch is a hang, which outlasts any deadline.
+DEAD_ENGINE_DEADLINE_S = 60
+
+
 def test_dead_engine_is_reported(tmp_path):
     """Kill the engine core process: /health turns 503, requests get 503, no hang."""
     import os
@@ -571,15 +577,44 @@ def test_dead_engine_is_reported(tmp_path):
     thread = start_fake_server(build_tokenizer_dir(tmp_path / "tok"))
     try:
         engine = thread.server.state.engine
-        assert httpx.get(thread.url + "/health").status_code == 200
-        os.kill(engine.client.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while httpx.get(thread.url + "/health").status_code == 200:
-            assert time.monotonic() < deadline, "the dead engine was not noticed"
-            time.sleep(0.1)
-        health = httpx.get(thread.url + "/health")
-        assert health.status_code == 503 and error_of(health)["code"] == "engine_dead"
-        response = httpx.post(thread.url + "/v1/completions", json={"prompt": "x"})
-        assert response.status_code == 503 and error_of(response)["type"] == "server_error"
+        with httpx.Client(base_url=thread.url, timeout=DEAD_ENGINE_DEADLINE_S) as http:
+            assert http.get("/health").status_code == 200
+            os.kill(engine.client.pid, signal.SIGKILL)
+            deadline = time.monotonic() + DEAD_ENGINE_DEADLINE_S
+            while http.get("/health").status_code == 200:
+                assert time.monotonic() < deadline, "the dead engine was not noticed"
+                time.sleep(0.1)
+            health = http.get("/health")
+            assert health.status_code == 503 and error_of(health)["code"] == "engine_dead"
+            # /health checks the process itself; the engine's output loop notices the
+            # death on its own (it polls every 0.1 s). A request sent before that can
+            # hang: see test_request_racing_the_engine_death_is_not_left_hanging.
+            while engine.dead_error is None:
+                assert time.monotonic() < deadline, "the engine did not notice its death"
+                time.sleep(0.01)
+            response = http.post("/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 503 and error_of(response)["type"] == "server_error"
+    finally:
+        thread.stop()
+
+
+@pytest.mark.xfail(reason="known bug: a request sent after the core died but before the "
+                   "frontend noticed waits forever in the ZMQ send to the dead core "
+                   "(AsyncMPClient._send); see issue 19's report", strict=False)
+def test_request_racing_the_engine_death_is_not_left_hanging(tmp_path):
+    """A request sent right after the engine core died gets a 503, not a hang."""
+    import os
+    import signal
+
+    thread = start_fake_server(build_tokenizer_dir(tmp_path / "tok"))
+    try:
+        engine = thread.server.state.engine
+        # 10 s: a correct server answers in well under a second even on a busy
+        # machine; the bug hangs forever.
+        with httpx.Client(base_url=thread.url, timeout=10) as http:
+            assert http.get("/health").status_code == 200
+            os.kill(engine.client.pid, signal.SIGKILL)
+            response = http.post("/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 503 and error_of(response)["code"] == "engine_dead"
     finally:
         thread.stop()
