@@ -63,6 +63,19 @@ class RecordingObserver:
         self.finished.append((output, error))
 
 
+# Waits below end as soon as their condition holds; the deadline only turns a hang into a
+# failure, so it is generous enough for a busy machine.
+DEADLINE_S = 60
+
+
+async def until(condition, what: str, timeout_s: float = DEADLINE_S) -> None:
+    """Poll `condition()` until it is true; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def collect(engine: AsyncEngine, prompt, params, req_id):
     outputs = []
     async for output in engine.generate(prompt, params, req_id):
@@ -180,11 +193,8 @@ def test_stop_string_stops_and_aborts_in_core(thread_engine):
             assert seq.finish_reason == "stop" and seq.stop_reason == "fox jum"
             assert len(seq.token_ids) < 60
             core = engine.client._proc.core
-            for _ in range(100):  # the abort reaches the core thread asynchronously
-                if not core.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.01)
-            assert not core.has_unfinished_requests()
+            # The abort reaches the core thread asynchronously.
+            await until(lambda: not core.has_unfinished_requests(), "the core to drop it")
         finally:
             await engine.shutdown()
 
@@ -202,16 +212,13 @@ def test_closing_the_stream_aborts(tokenizer):
             await stream.aclose()
             assert engine.num_unfinished_requests == 0
             core = engine.client._proc.core
-            for _ in range(200):
-                if not core.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.01)
-            assert not core.has_unfinished_requests()
-            # abort() of a live request ends its stream with "abort".
-            task = asyncio.ensure_future(collect(engine, "hello", greedy(100), "y"))
-            await asyncio.sleep(0.05)
+            await until(lambda: not core.has_unfinished_requests(), "the core to drop it")
+            # abort() of a live request ends its stream with "abort". It is live: it has
+            # sent its first output, and 99 more steps of 10 ms are left.
+            stream = engine.generate("hello", greedy(100), "y")
+            outputs = [await stream.__anext__()]
             await engine.abort("y")
-            outputs = await task
+            outputs += [output async for output in stream]
             assert outputs[-1].outputs[0].finish_reason == "abort"
         finally:
             await engine.shutdown()
@@ -317,11 +324,17 @@ def test_dead_core_fails_requests(tokenizer):
         engine = await AsyncEngine.start(make_config(), tokenizer,
                                          executor_spec=spec(tokenizer, step_delay_s=0.02))
         try:
-            task = asyncio.ensure_future(collect(engine, [10, 11], greedy(100), "d"))
-            await asyncio.sleep(0.3)
+            # Killed mid-request: after its first output, with 99 steps of 20 ms left.
+            stream = engine.generate([10, 11], greedy(100), "d")
+            await stream.__anext__()
             os.kill(engine.client.pid, signal.SIGKILL)
+
+            async def rest():
+                return [output async for output in stream]
+
             with pytest.raises(EngineRequestError, match="exited unexpectedly"):
-                await asyncio.wait_for(task, 10)
+                # Noticed within ~0.1 s; the deadline only guards against a hang.
+                await asyncio.wait_for(rest(), DEADLINE_S)
             assert not engine.is_running
             with pytest.raises(EngineDeadError):
                 await collect(engine, [10], greedy(), "after")
@@ -356,8 +369,8 @@ def test_core_exits_when_frontend_dies(tokenizer_dir, tmp_path):
     try:
         core_pid = int(frontend.stdout.readline())
         os.kill(frontend.pid, signal.SIGKILL)
-        frontend.wait(10)
-        deadline = time.monotonic() + 10
+        frontend.wait(DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S  # it exits within about a second
         while time.monotonic() < deadline:
             try:
                 os.kill(core_pid, 0)
