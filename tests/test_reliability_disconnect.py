@@ -163,8 +163,7 @@ def test_disconnects_free_everything(server):
     assert response.status_code == 200 and response.json()["choices"][0]["text"]
     fresh_s = time.monotonic() - fresh
     # 5 steps of 10 ms. Measured on 2 cores: 0.13 s idle, 0.23-0.30 s with a CPU hog;
-    # 3 s leaves a busy machine 10x room, and is still far less than the ~10 s a server
-    # that kept the 30 abandoned requests running would take to free its seats.
+    # 3 s leaves a busy machine 10x room.
     assert fresh_s < 3
     print(f"\nclients finished in {clients_done - started:.2f} s; everything freed "
           f"{freed_after:.2f} s later; a fresh request took {fresh_s:.2f} s; {ended}")
