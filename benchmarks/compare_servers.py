@@ -62,6 +62,7 @@ TRANSFORMERS_NO_EOS = ["--no-ignore-eos", "--extra-body",
                        json.dumps({"generation_config": json.dumps({"eos_token_id": -1})})]
 # vLLM on CPU otherwise reserves 90% of the machine's memory for its KV cache.
 VLLM_KV_CACHE_BYTES = 2 * 2**30
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # apt libtcmalloc-minimal4
 # llama-server splits its context among its slots: room per slot for the chat template.
 LLAMACPP_SLOT_MARGIN = 256
 
@@ -119,6 +120,17 @@ def server_command(args: argparse.Namespace, name: str, model_dir: str, gguf: Pa
                 "--parallel", str(slots), "--ctx-size", str(context), *args.llamacpp_args]
     return [transformers_bin(), "serve", model_dir, "--continuous-batching",
             "--dtype", args.dtype, "--device", "cpu", *loopback, *args.transformers_args]
+
+
+def server_env(args: argparse.Namespace, name: str) -> dict[str, str]:
+    """The environment a server starts with: for vLLM, the allocator and OpenMP runtime its
+    CPU docs ask to preload (Intel OpenMP from its venv; tcmalloc where the system has it)."""
+    env = dict(os.environ)
+    if name == "vllm" and "LD_PRELOAD" not in env:
+        venv_lib = Path(args.vllm_bin).parent.parent / "lib"
+        preload = [venv_lib / "libiomp5.so", TCMALLOC]
+        env["LD_PRELOAD"] = ":".join(str(lib) for lib in preload if lib.is_file())
+    return env
 
 
 def precision(args: argparse.Namespace, name: str, gguf: Path | None) -> str:
@@ -194,10 +206,12 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
     port = args.port
     base_url = f"http://127.0.0.1:{port}"
     command = server_command(args, name, model_dir, gguf, port)
+    env = server_env(args, name)
+    preload = f"LD_PRELOAD={env['LD_PRELOAD']} " if env.get("LD_PRELOAD") else ""
     log_path = Path(args.result_dir) / f"{name}-server.log"
-    print(f"[{name}] {shlex.join(command)}  (log: {log_path})", flush=True)
+    print(f"[{name}] {preload}{shlex.join(command)}  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
         try:
             wait_until_ready(base_url, process, args.startup_timeout)

@@ -77,6 +77,20 @@ def test_installed_servers_follow_the_peer_binaries(tmp_path, monkeypatch):
     assert compare_servers.installed_servers(args) == ["pagedserve", "vllm"]
 
 
+def test_vllm_starts_with_its_openmp_runtime_preloaded(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(compare_servers, "TCMALLOC", tmp_path / "absent.so")
+    args = cli_args(vllm_bin=tmp_path / "bin" / "vllm")
+    assert compare_servers.server_env(args, "vllm")["LD_PRELOAD"] == str(
+        tmp_path / "lib" / "libiomp5.so")
+    assert "LD_PRELOAD" not in compare_servers.server_env(args, "pagedserve")
+    monkeypatch.setenv("LD_PRELOAD", "/mine.so")  # the user's own choice wins
+    assert compare_servers.server_env(args, "vllm")["LD_PRELOAD"] == "/mine.so"
+
+
 def test_llama_server_gets_the_gguf(tmp_path):
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"GGUF")
