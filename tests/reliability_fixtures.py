@@ -51,8 +51,6 @@ def start_server(
 class FakeServerProcess(LoggedServerProcess):
     """The FakeExecutor server in its own process (so SIGTERM is a real signal)."""
 
-    START_TIMEOUT_S = 120.0
-
     def __init__(self, tokenizer_dir: Path, *, limits: ServerLimits | None = None,
                  executor_kwargs: dict | None = None, max_model_len: int = 256,
                  max_num_seqs: int = 64, shutdown_timeout_s: float = 5.0):

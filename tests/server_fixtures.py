@@ -202,7 +202,7 @@ class ServerThread:
     def url(self) -> str:
         return self.server.url
 
-    def start(self, timeout_s: float = 120.0) -> ServerThread:
+    def start(self, timeout_s: float = 600.0) -> ServerThread:
         def main() -> None:
             async def run() -> None:
                 try:
@@ -280,7 +280,9 @@ class LoggedServerProcess:
     `wait_for_url()` returns the address the server logs once it listens.
     """
 
-    START_TIMEOUT_S = 180.0
+    # Generous: a start takes seconds, but on a busy machine it may first (re)build the
+    # CPU kernels, or wait for another process's build of them (a shared build lock).
+    START_TIMEOUT_S = 600.0
 
     def __init__(self, command: list[str], env: dict[str, str]):
         self.lines: list[str] = []

@@ -366,9 +366,12 @@ def scrape(url: str, **headers: str) -> Samples:
     return parse(response.text)[0]
 
 
-def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition",
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition",
                poll_s: float = 0.05):
-    """predicate()'s first truthy result, polling every `poll_s`; AssertionError at timeout."""
+    """predicate()'s first truthy result, polling every `poll_s`; AssertionError at timeout.
+
+    The timeout only turns a hang into a failure: polls end as soon as the condition
+    holds, so it is generous enough for a busy machine."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = predicate()
@@ -580,20 +583,30 @@ def test_preemption_counts_each_prompt_once(server):
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
 
-    results = asyncio.run(burst())
+    def peaks_seen() -> bool:
+        return peak["waiting"] >= 1 and peak["kv"] > 0.5
+
+    # The gauges are sampled every 0.1 s while a burst runs; on a busy machine no sample
+    # need land in the moments of a burst with requests waiting, so bursts are repeated
+    # (at most 5, normally 1) until the samples have seen it.
+    results = []
+    for _ in range(5):
+        results += asyncio.run(burst())
+        if peaks_seen():
+            break
     after = wait_idle(server.url)
     assert all(r.choices[0].finish_reason == "length" for r in results)
     assert delta(after, before, p("num_preemptions_total")) > 0
     assert delta(after, before, p("prompt_tokens_total")) == sum(
         r.usage.prompt_tokens for r in results)
     assert delta(after, before, p("generation_tokens_total")) == sum(
-        r.usage.completion_tokens for r in results) == num_requests * max_tokens
+        r.usage.completion_tokens for r in results) == len(results) * max_tokens
     assert delta(after, before, p("request_success_total"), finished_reason="length") == \
-        num_requests
-    assert peak["waiting"] >= 1 and 0.5 < peak["kv"] <= 1.0
+        len(results)
+    assert peaks_seen() and peak["kv"] <= 1.0, peak
     # Preempted or not, one ITL per token after the first.
     assert delta(after, before, p("inter_token_latency_seconds_count")) == \
-        num_requests * (max_tokens - 1)
+        len(results) * (max_tokens - 1)
 
 
 def test_gauges_return_to_zero_after_traffic(server):

@@ -24,7 +24,7 @@ def server():
                           "--max-num-batched-tokens", "256",
                           "--api-key", API_KEY], env={})
     try:
-        proc.url = proc.wait_for_url(timeout_s=300)
+        proc.url = proc.wait_for_url()
     except BaseException:
         proc.stop()
         raise
