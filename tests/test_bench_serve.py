@@ -559,7 +559,7 @@ class FakeOpenAIServer:
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )
         self._thread.start()
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 60.0  # generous: a poll, not a bound
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError("fake server did not start")

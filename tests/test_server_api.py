@@ -24,6 +24,10 @@ FAIL_TOKEN = 9  # the fake model fails any request whose prompt holds this id
 MAX_MODEL_LEN = 256
 MODEL = "fake-echo"
 ORIGIN = "http://ui.example.test"
+# Deadlines of waits and client calls that should end fast: generous, since each wait
+# ends as soon as its condition holds (e.g. the frontend notices a dead core within
+# ~0.1 s, and answers a dead engine's 503 at once); what they catch is a hang.
+DEADLINE_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -533,7 +537,7 @@ def test_client_disconnect_aborts_the_request(server, http):
             next(lines)
             next(lines)
             assert running() == 1
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + DEADLINE_S
     while running() != 0:
         assert time.monotonic() < deadline, "the request kept running after the disconnect"
         time.sleep(0.05)
@@ -543,7 +547,7 @@ def test_access_log_line(client, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.access"):
         client.completions.create(model=MODEL, prompt="log me", max_tokens=2, temperature=0,
                                   user="alice")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + DEADLINE_S
         while not any("/v1/completions" in r.getMessage() for r in caplog.records):
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -563,12 +567,6 @@ def test_cors(server):
     assert "access-control-allow-origin" not in other.headers
 
 
-# Deadlines for the dead-engine tests: generous, since each wait ends as soon as its
-# condition holds (the frontend notices a dead core within ~0.1 s; a dead engine's 503
-# is answered at once); what they catch is a hang, which outlasts any deadline.
-DEAD_ENGINE_DEADLINE_S = 60
-
-
 def test_dead_engine_is_reported(tmp_path):
     """Kill the engine core process: /health turns 503, requests get 503, no hang."""
     import os
@@ -577,10 +575,10 @@ def test_dead_engine_is_reported(tmp_path):
     thread = start_fake_server(build_tokenizer_dir(tmp_path / "tok"))
     try:
         engine = thread.server.state.engine
-        with httpx.Client(base_url=thread.url, timeout=DEAD_ENGINE_DEADLINE_S) as http:
+        with httpx.Client(base_url=thread.url, timeout=DEADLINE_S) as http:
             assert http.get("/health").status_code == 200
             os.kill(engine.client.pid, signal.SIGKILL)
-            deadline = time.monotonic() + DEAD_ENGINE_DEADLINE_S
+            deadline = time.monotonic() + DEADLINE_S
             while http.get("/health").status_code == 200:
                 assert time.monotonic() < deadline, "the dead engine was not noticed"
                 time.sleep(0.1)

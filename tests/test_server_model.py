@@ -187,7 +187,7 @@ def test_cli_reports_engine_startup_errors(checkpoint):
     proc = ServerProcess(["--model", str(checkpoint), "--port", "0", "--max-model-len", "100000",
                           "--kv-cache-memory", "32M"], env={})
     try:
-        code = proc.process.wait(180)
+        code = proc.process.wait(ServerProcess.START_TIMEOUT_S)
     finally:
         proc.stop()
     assert code == 1
