@@ -45,8 +45,8 @@ def enabled() -> bool:
 def paged_decode_kernel() -> Callable[..., None] | None:
     """`fn(out, query, kv_cache, block_table, seq_lens, scale)`, or None if unavailable.
 
-    out, query: float32 [B, Hq, D] contiguous, D in HEAD_SIZES; kv_cache: float32
-    [2, Hkv, num_blocks, block_size, D]; block_table: int32 [B, max_blocks];
+    out, query: float32 [B, Hq, D] contiguous, D in HEAD_SIZES; kv_cache: float32,
+    bfloat16 or float16 [2, Hkv, num_blocks, block_size, D]; block_table: int32 [B, max_blocks];
     seq_lens: int32 [B]. Bad shapes or indices raise RuntimeError before any work.
     Built (or loaded) once per process.
     """

@@ -103,3 +103,35 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def quantize_activations_ref(x: torch.Tensor, group: int = 32
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] -> (xq [M, K / group, group] int16 values as float32, dx [M, G], sums [M, G]).
+
+    Per group: dx = max|x| / 32767, xq = round(x * (1 / dx)) half to even (0 where dx = 0),
+    sums = dx * sum(xq), as `kernels/cpu/quant_linear.cpp` does.
+    """
+    rows, cols = x.shape
+    groups = x.view(rows, cols // group, group)
+    scales = groups.abs().amax(dim=-1) / 32767
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    xq = torch.round(groups * inverse.unsqueeze(-1))
+    return xq, scales, scales * xq.sum(dim=-1)
+
+
+def quant_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, group: int = 32) -> torch.Tensor:
+    """The quantized linear kernels' arithmetic: x float32 [M, K], weight integers
+    q [N, K] (int4: 0..15, int8: signed), scales and mins float32 [N, K / group] ->
+
+        out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] sums[m, g]
+    """
+    xq, dx, sums = quantize_activations_ref(x, group)
+    rows, num_groups = dx.shape
+    qg = q.float().view(q.shape[0], num_groups, group)
+    dots = torch.einsum("mgk,ngk->mng", xq, qg)  # integers, exact in float32
+    out = (dots * scales.unsqueeze(0) * dx.unsqueeze(1)).sum(dim=-1)
+    if mins is not None:
+        out = out + sums @ mins.T
+    return out

@@ -38,9 +38,12 @@ def hf_greedy_reference(
     return ref
 
 
-def assert_greedy_matches(ours: list[list[int]], ref: Reference) -> int:
+def assert_greedy_matches(ours: list[list[int]], ref: Reference,
+                          max_gap: float | None = None) -> int:
     """Token-exact, except that a near-tie may flip a token: then our token must be in
     transformers' top-5 at that step and the comparison of that sequence stops there.
+    With `max_gap`, a flip must also be a tie in numbers: transformers' logprob of its
+    token exceeds its logprob of ours by at most `max_gap`.
 
     Returns the number of sequences that ended in such a flip.
     """
@@ -51,6 +54,11 @@ def assert_greedy_matches(ours: list[list[int]], ref: Reference) -> int:
                 assert a in ref.top5[i][step], (
                     f"prompt {i} step {step}: ours {a}, transformers {b}, "
                     f"top-5 {ref.top5[i][step]}"
+                )
+                gap = float(ref.logprobs[i][step][b] - ref.logprobs[i][step][a])
+                assert max_gap is None or gap <= max_gap, (
+                    f"prompt {i} step {step}: ours {a}, transformers {b}: not a near-tie, "
+                    f"logprob gap {gap:.3f} > {max_gap}"
                 )
                 num_flips += 1
                 break

@@ -210,12 +210,13 @@ def cpu_decode_kernel():
 DECODE_ONLY_BATCH = [(37, 1), (31, 1), (0, 1), (100, 1)]  # a pure decode step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("specs", [MIXED_BATCH, DECODE_ONLY_BATCH], ids=["mixed", "decodes"])
 @pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, use_cpu_kernel,
-                                         specs):
+                                         specs, dtype):
     """The CPU backend, in its own head-major cache layout, on the same mixed batch.
 
     Its decode groups run one SDPA over padded contexts with a mask, and a masked
@@ -229,12 +230,15 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, us
         cpu_decode_kernel()
     batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size)
     batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
+    # bf16: the reference runs in float32 on the bf16-rounded inputs.
+    for name in ("query", "key", "value", "kv_cache"):
+        setattr(batch, name, getattr(batch, name).to(dtype).float())
     backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     assert (backend.decode_kernel is not None) == use_cpu_kernel
     num_blocks = batch.kv_cache.shape[1]
     assert backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, 64) == (
         2, num_kv_heads, num_blocks, block_size, 64)
-    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(dtype)
     metadata = AttentionMetadata(
         num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
         max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
@@ -243,18 +247,28 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, us
         seq_lens_np=batch.seq_lens.numpy(),
     )
     scale = 64**-0.5
-    out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale)
+    out = backend.forward(batch.query.to(dtype), batch.key.to(dtype), batch.value.to(dtype),
+                          head_major, metadata, scale)
+    assert out.dtype == dtype
     expected = naive_attention(batch, scale)
-    torch.testing.assert_close(out[: batch.num_real], expected, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out[: batch.num_real].float(), expected, rtol=tolerance,
+                               atol=tolerance)
     # It wrote the step's K/V where the reference writes them, and nothing else.
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
-    assert_same_cache(head_major.permute(0, 2, 3, 1, 4), batch.kv_cache)
+    assert_same_cache(head_major.permute(0, 2, 3, 1, 4).float(), batch.kv_cache)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)], ids=["gqa9x3", "mha4"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size):
-    """Long, block-straddling contexts (1 .. 513 tokens) read through shuffled block tables."""
+def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size, cache_dtype):
+    """Long, block-straddling contexts (1 .. 513 tokens) read through shuffled block tables.
+
+    A bf16/fp16 cache is read in place and widened exactly, so the reference is the
+    same attention over that cache's values in float32.
+    """
     kernel = cpu_decode_kernel()
     from kernels.reference import gather_kv
 
@@ -262,7 +276,8 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size
     specs = [(n - 1, 1) for n in seq_lens]
     batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size, num_pad=0, seed=1)
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
-    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    batch.kv_cache = batch.kv_cache.to(cache_dtype).float()  # the values a low-precision cache holds
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
     out = torch.full_like(batch.query, float("nan"))
     scale = 64**-0.5
     kernel(out, batch.query, head_major, batch.block_table, batch.seq_lens, scale)
@@ -293,9 +308,11 @@ def test_cpu_decode_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="head_size 48 not supported"):
         kernel(torch.empty_like(odd.query), odd.query, odd.kv_cache.permute(0, 3, 1, 2, 4)
                .contiguous(), odd.block_table, odd.seq_lens, 1.0)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 query"):
         kernel(out.half(), batch.query.half(), head_major.half(), batch.block_table,
                batch.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 cache"):
+        kernel(out, batch.query, head_major.double(), batch.block_table, batch.seq_lens, 1.0)
 
 
 def test_cpu_decode_kernel_build_survives_a_stale_lock(monkeypatch):

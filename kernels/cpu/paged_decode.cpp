@@ -10,8 +10,9 @@
 //
 // Work item = (request, KV head): its G query heads share every K/V block read.
 // Pass 1 writes the scaled scores of all positions, a softmax normalises them,
-// pass 2 accumulates the weighted V rows. float32, head sizes 16/32/64/80/96/128/256;
-// the torch path serves the rest.
+// pass 2 accumulates the weighted V rows. Query and output are float32; the cache may
+// be float32, bfloat16 or float16 (widened to float32 as it is read). Head sizes
+// 16/32/64/80/96/128/256; the torch path serves the rest.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -27,21 +28,26 @@ namespace {
 
 // Ask for the next block while this one is computed: blocks are scattered, so the
 // hardware prefetcher cannot guess where the next 4 KiB (or so) come from.
-inline void prefetch_block(const float* block, int64_t num_floats) {
-  for (int64_t i = 0; i < num_floats; i += 16) __builtin_prefetch(block + i);
+template <typename T>
+inline void prefetch_block(const T* block, int64_t num_values) {
+  const char* bytes = reinterpret_cast<const char*>(block);
+  for (int64_t i = 0; i < num_values * static_cast<int64_t>(sizeof(T)); i += 64)
+    __builtin_prefetch(bytes + i);
 }
 
+template <typename T>  // the cache's element type
 struct Problem {
   int64_t num_heads, num_kv_heads, num_blocks, block_size, group, table_stride;
   float scale;
-  const float *q_all, *k_cache, *v_cache;
+  const float* q_all;
+  const T *k_cache, *v_cache;
   const int32_t *tables, *lens;
   float* out_all;
 };
 
 // One (request, KV head): its `group` query heads against that head's context.
-template <int kHeadSize>
-void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float>& scores) {
+template <typename T, int kHeadSize>
+void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<float>& scores) {
   constexpr int kVecs = kHeadSize / 8;
   const int64_t seq_len = pb.lens[b], group = pb.group, block_size = pb.block_size;
   const int64_t block_floats = block_size * kHeadSize;
@@ -54,7 +60,7 @@ void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float
   // Pass 1: scores[g * seq_len + p] = scale * q_g . k_p, four positions at a time
   // (four independent FMA chains instead of one).
   for (int64_t i = 0; i < num_used_blocks; ++i) {
-    const float* k_block = pb.k_cache + (head_base + table[i]) * block_floats;
+    const T* k_block = pb.k_cache + (head_base + table[i]) * block_floats;
     if (i + 1 < num_used_blocks) {
       prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
     }
@@ -65,7 +71,7 @@ void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float
       float* s = scores.data() + g * seq_len + start;
       int64_t t = 0;
       for (; t + 4 <= count; t += 4) {
-        const float* k = k_block + t * kHeadSize;
+        const T* k = k_block + t * kHeadSize;
         vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
         for (int j = 0; j < kVecs; ++j) {
           const vec8 qv = load8(qg + 8 * j);
@@ -100,7 +106,7 @@ void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float
     }
     vec8 acc[kVecs] = {};
     for (int64_t i = 0; i < num_used_blocks; ++i) {
-      const float* v_block = pb.v_cache + (head_base + table[i]) * block_floats;
+      const T* v_block = pb.v_cache + (head_base + table[i]) * block_floats;
       if (g == 0 && i + 1 < num_used_blocks) {
         prefetch_block(pb.v_cache + (head_base + table[i + 1]) * block_floats, block_floats);
       }
@@ -108,7 +114,7 @@ void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float
       const int64_t count = std::min(block_size, seq_len - start);
       for (int64_t t = 0; t < count; ++t) {
         const float weight = s[start + t];
-        const float* v = v_block + t * kHeadSize;
+        const T* v = v_block + t * kHeadSize;
         for (int j = 0; j < kVecs; ++j) acc[j] += weight * load8(v + 8 * j);
       }
     }
@@ -120,39 +126,23 @@ void attend_one(const Problem& pb, int64_t b, int64_t kv_head, std::vector<float
   }
 }
 
-template <int kHeadSize>
-void attend_all(const Problem& pb, int64_t num_reqs) {
+template <typename T, int kHeadSize>
+void attend_all(const Problem<T>& pb, int64_t num_reqs) {
   at::parallel_for(0, num_reqs * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      attend_one<kHeadSize>(pb, item / pb.num_kv_heads, item % pb.num_kv_heads, scores);
+      attend_one<T, kHeadSize>(pb, item / pb.num_kv_heads, item % pb.num_kv_heads, scores);
     }
   });
 }
 
-}  // namespace
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == torch::kFloat32, "out must be like query");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
-                  block_table.stride(1) == 1, "block_table must be int32 [B, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int32 [B]");
+template <typename T>
+void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
+         const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale) {
   const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.size(4) == head_size && num_heads % num_kv_heads == 0,
-              "query and kv_cache heads do not match");
-  TORCH_CHECK(block_table.size(0) == num_reqs && seq_lens.size(0) == num_reqs,
-              "one block_table row and one seq_len per request");
-
-  Problem pb;
+  Problem<T> pb;
   pb.num_heads = num_heads;
   pb.num_kv_heads = num_kv_heads;
   pb.num_blocks = num_blocks;
@@ -162,7 +152,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   pb.scale = static_cast<float>(scale);
   pb.q_all = query.data_ptr<float>();
   pb.out_all = out.data_ptr<float>();
-  pb.k_cache = kv_cache.data_ptr<float>();
+  pb.k_cache = kv_cache.data_ptr<T>();
   pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * head_size;
   pb.tables = block_table.data_ptr<int32_t>();
   pb.lens = seq_lens.data_ptr<int32_t>();
@@ -178,13 +168,41 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     }
   }
   switch (head_size) {
-    case 16: attend_all<16>(pb, num_reqs); break;
-    case 32: attend_all<32>(pb, num_reqs); break;
-    case 64: attend_all<64>(pb, num_reqs); break;
-    case 80: attend_all<80>(pb, num_reqs); break;
-    case 96: attend_all<96>(pb, num_reqs); break;
-    case 128: attend_all<128>(pb, num_reqs); break;
-    case 256: attend_all<256>(pb, num_reqs); break;
+    case 16: attend_all<T, 16>(pb, num_reqs); break;
+    case 32: attend_all<T, 32>(pb, num_reqs); break;
+    case 64: attend_all<T, 64>(pb, num_reqs); break;
+    case 80: attend_all<T, 80>(pb, num_reqs); break;
+    case 96: attend_all<T, 96>(pb, num_reqs); break;
+    case 128: attend_all<T, 128>(pb, num_reqs); break;
+    case 256: attend_all<T, 256>(pb, num_reqs); break;
     default: TORCH_CHECK(false, "head_size ", head_size, " not supported (16/32/64/80/96/128/256)");
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 query");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == torch::kFloat32, "out must be like query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1, "block_table must be int32 [B, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int32 [B]");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
+              "query and kv_cache heads do not match");
+  TORCH_CHECK(block_table.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
+              "one block_table row and one seq_len per request");
+  switch (kv_cache.scalar_type()) {
+    case torch::kFloat32: run<float>(out, query, kv_cache, block_table, seq_lens, scale); break;
+    case torch::kBFloat16:
+      run<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, scale);
+      break;
+    case torch::kHalf: run<c10::Half>(out, query, kv_cache, block_table, seq_lens, scale); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 cache");
   }
 }

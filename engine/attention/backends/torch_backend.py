@@ -9,8 +9,8 @@ context as one contiguous [seq_len, head_dim] run: the layout SDPA's CPU kernel
 is fast on, with no transpose copy after the gather.
 
 Decodes (query length 1) run in one call of the C++ kernel in
-`kernels/cpu_kernels.py`, which reads the paged cache in place (float32, when it
-builds); otherwise as batched SDPAs over their gathered blocks, in groups of
+`kernels/cpu_kernels.py`, which reads the paged cache in place (float32, bfloat16
+or float16, when it builds); otherwise as batched SDPAs over their gathered blocks, in groups of
 similar length. Each prefill chunk runs its own SDPA with a causal mask offset by
 its cached context.
 """
@@ -112,6 +112,9 @@ class ScratchBuffers:
         return buffer[:numel].view(shape)
 
 
+# The cache dtypes (and query dtypes) the C++ decode kernel reads in place.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 # Decodes are batched in groups of requests of similar length, so one long context
 # does not make every request in the batch pad (and copy) up to its length.
 DECODE_GROUP_SIZE = 16
@@ -152,28 +155,37 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _kernel_fits(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (self.decode_kernel is not None and query.device.type == "cpu"
-                and query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
-                and query.shape[-1] in KERNEL_HEAD_SIZES)
+                and query.dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES
+                and kv_cache.is_contiguous() and query.shape[-1] in KERNEL_HEAD_SIZES)
 
     def _decode_with_kernel(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale,
                             out) -> None:
-        """Every decode of the step in one kernel call, straight from the paged cache."""
+        """Every decode of the step in one kernel call, straight from the paged cache.
+
+        The kernel takes float32 queries and writes float32 outputs whatever the
+        cache's dtype; bf16/fp16 queries are widened first and outputs rounded back.
+        """
         num_decodes = len(decode_reqs)
-        if num_decodes == metadata.num_reqs == metadata.num_actual_tokens:
-            # A pure decode step (the common case): token r is request r's, no copies.
-            q, result = query[:num_decodes], out[:num_decodes]
-            if (q.is_contiguous() and result.is_contiguous()
-                    and metadata.block_table.dtype == metadata.seq_lens.dtype == torch.int32):
-                self.decode_kernel(result, q, kv_cache, metadata.block_table[:num_decodes],
-                                   metadata.seq_lens[:num_decodes], scale)
-                return
+        if (num_decodes == metadata.num_reqs == metadata.num_actual_tokens == query.shape[0]
+                and metadata.block_table.dtype == metadata.seq_lens.dtype == torch.int32):
+            # A pure decode step (the common case): token r is request r's.
+            if query.dtype == torch.float32 and query.is_contiguous() and out.is_contiguous():
+                self.decode_kernel(out, query, kv_cache, metadata.block_table,
+                                   metadata.seq_lens, scale)
+            else:
+                q = query.float().contiguous()
+                result = torch.empty_like(q)
+                self.decode_kernel(result, q, kv_cache, metadata.block_table,
+                                   metadata.seq_lens, scale)
+                out.copy_(result)
+            return
         token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs])
         req_idx = torch.from_numpy(decode_reqs)
-        q = query[token_idx].contiguous()  # [B, Hq, D]
+        q = query[token_idx].float().contiguous()  # [B, Hq, D]
         result = torch.empty_like(q)
         self.decode_kernel(result, q, kv_cache, metadata.block_table[req_idx].to(torch.int32),
                            metadata.seq_lens[req_idx].to(torch.int32), scale)
-        out[token_idx] = result
+        out[token_idx] = result.to(out.dtype)
 
     def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
         """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D].
