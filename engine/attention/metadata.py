@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -39,6 +40,17 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_np)
 
-    @property
+    @cached_property
     def query_lens_np(self) -> np.ndarray:
         return np.diff(self.query_start_loc_np)
+
+    # Computed once per step (on first use), then shared by every layer.
+    @cached_property
+    def decode_reqs_np(self) -> np.ndarray:
+        """Indices of the requests with a one-token query."""
+        return np.flatnonzero(self.query_lens_np == 1)
+
+    @cached_property
+    def prefill_reqs_np(self) -> np.ndarray:
+        """Indices of the requests with a longer query (a prompt or a prompt chunk)."""
+        return np.flatnonzero(self.query_lens_np > 1)

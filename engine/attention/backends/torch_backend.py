@@ -136,12 +136,11 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_cache is None:  # profiling pass: every request is a fresh prefill
             self._prefill_without_cache(query, key, value, metadata, scale, out)
             return out
-        write_to_kv_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens],
-            all_slots_valid=True,
-        )
-        query_lens = metadata.query_lens_np
-        decode_reqs = np.flatnonzero(query_lens == 1)
+        if key.shape[0] != num_tokens:  # padded beyond the real tokens
+            key, value = key[:num_tokens], value[:num_tokens]
+        write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens],
+                          all_slots_valid=True)
+        decode_reqs = metadata.decode_reqs_np
         if len(decode_reqs) and self._kernel_fits(query, kv_cache):
             self._decode_with_kernel(query, kv_cache, metadata, decode_reqs, scale, out)
         elif len(decode_reqs):
@@ -149,7 +148,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_groups = cdiv(len(by_length), DECODE_GROUP_SIZE)
             for group in np.array_split(by_length, num_groups):
                 self._decode(query, kv_cache, metadata, group, scale, out)
-        for req in np.flatnonzero(query_lens > 1):
+        for req in metadata.prefill_reqs_np:
             self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
         return out
 
