@@ -20,10 +20,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vec8.h"
 
 namespace {
+
+// float64 tensors are accepted too (the dispatch macros include them), computed in float32.
+using ::load8;  // vec8.h's overloads, which this one would otherwise hide
+inline vec8 load8(const double* p) {
+  vec8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
 
 // Round a float32 to the tensor's dtype and back (identity for float32).
 template <typename T>
@@ -31,14 +40,22 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
-// Rows handled per parallel task: at least ~16K elements, so one decode token stays
-// on one thread (a fork-join costs more than normalising 576 numbers).
-inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / row_elems); }
+// Rows handled per parallel task: at least 64K elements. These ops read each value
+// once, so below that a fork-join (waking the other threads, waiting for the slowest)
+// costs more than it saves: a decode batch of 32 stays on one thread, a prefill
+// chunk of 512 tokens is split.
+inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 65536 / row_elems); }
 
 template <typename T>
 void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
-  float sum_sq = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  vec8 squares = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const vec8 v = load8(x + i);
+    squares += v * v;
+  }
+  float sum_sq = sum8(squares);
+  for (; i < n; ++i) {
     const float v = static_cast<float>(x[i]);
     sum_sq += v * v;
   }
@@ -187,21 +204,27 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
     at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
-      float gate[8], up[8];
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = xp + r * xs;
         const scalar_t* u = g + inner;
         scalar_t* o = op + r * os;
-        for (int64_t i = 0; i < inner; i += 8) {
-          const int64_t width = std::min<int64_t>(8, inner - i);
-          for (int64_t j = 0; j < 8; ++j) {
-            gate[j] = j < width ? static_cast<float>(g[i + j]) : 0.f;
-            up[j] = j < width ? static_cast<float>(u[i + j]) : 0.f;
-          }
-          const vec8 gv = load8(gate);
+        int64_t i = 0;
+        for (; i + 8 <= inner; i += 8) {
+          const vec8 gv = load8(g + i);
           const vec8 silu = gv / (1.f + exp8(-gv));
-          for (int64_t j = 0; j < width; ++j)
-            o[i + j] = static_cast<scalar_t>(round_to<scalar_t>(silu[j]) * up[j]);
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            const vec8 result = silu * load8(u + i);
+            std::memcpy(o + i, &result, sizeof result);
+          } else {
+            for (int j = 0; j < 8; ++j)
+              o[i + j] = static_cast<scalar_t>(round_to<scalar_t>(silu[j]) *
+                                               static_cast<float>(u[i + j]));
+          }
+        }
+        for (; i < inner; ++i) {  // the last inner % 8 values
+          const float gate = static_cast<float>(g[i]);
+          const float silu = gate / (1.f + std::exp(-gate));
+          o[i] = static_cast<scalar_t>(round_to<scalar_t>(silu) * static_cast<float>(u[i]));
         }
       }
     });
