@@ -52,6 +52,9 @@ class DeviceConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flash_attn | triton
     cpu_threads: int | None = None  # CPU compute threads; None = the CPUs we may use
+    # shared: the engine core computes on every CPU we may use; split: one CPU is kept
+    # for the HTTP frontend and the core is pinned to the rest (vLLM's CPU layout).
+    cpu_layout: str = "shared"
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,12 @@ class _CoreProcess:
             name="EngineCore",
         )
         self.process.start()
+        if config.device_config.cpu_layout == "split":
+            # The child inherited every CPU and takes its share itself; the frontend
+            # keeps the first one (engine.cpu_info.split_cpus).
+            from engine import cpu_info
+
+            cpu_info.pin_this_process(cpu_info.split_cpus(cpu_info.cpu_budget().affinity)[0])
         self._closed = False
 
     def check_alive(self) -> None:

@@ -217,6 +217,10 @@ def run_engine_core(
     )
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                      name="parent-watch").start()
+    if config.device_config.cpu_layout == "split":
+        from engine import cpu_info
+
+        cpu_info.pin_this_process(cpu_info.split_cpus(cpu_info.cpu_budget().affinity)[1])
     configure_compute_threads(config.device_config.cpu_threads)
 
     context = zmq.Context()

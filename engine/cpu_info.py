@@ -61,6 +61,24 @@ class CpuBudget:
         return max(1, cores)
 
 
+def split_cpus(allowed: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(frontend CPUs, engine-core CPUs) for `--cpu-layout split`: the first allowed CPU
+    for the frontend, the others for the core; with one CPU both share it.
+
+    Example: allowed (0, 1, 2, 3) -> frontend (0,), engine core (1, 2, 3).
+    """
+    return (allowed, allowed) if len(allowed) < 2 else (allowed[:1], allowed[1:])
+
+
+def pin_this_process(cpus: tuple[int, ...]) -> None:
+    """Restrict every thread of this process (and the threads it starts later) to `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs granted by the cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), None when unlimited."""
     try:

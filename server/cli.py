@@ -170,6 +170,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--cpu-threads", "CPU compute threads of the engine. Default: one per CPU this "
          "process may use (its affinity, capped by a container's CPU quota).",
          type=_positive_int)
+    flag("--cpu-layout", "How the engine core and the HTTP frontend share the CPUs: "
+         "'shared' (the core computes on all of them) or 'split' (the first CPU is kept for "
+         "the frontend, the core is pinned to the others, as vLLM does).",
+         choices=["shared", "split"], default="shared")
     flag("--attention-backend", "Attention implementation.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
     flag("--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
@@ -234,7 +238,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy),
         device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend,
-                                   cpu_threads=args.cpu_threads),
+                                   cpu_threads=args.cpu_threads, cpu_layout=args.cpu_layout),
     )
 
 

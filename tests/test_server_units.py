@@ -27,7 +27,7 @@ REQUIRED_FLAGS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
     "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--dtype", "--device", "--attention-backend", "--allowed-origins", "--log-level", "--seed",
-    "--quantization", "--cpu-threads",
+    "--quantization", "--cpu-threads", "--cpu-layout",
 ]
 
 
@@ -175,3 +175,11 @@ def test_unexpected_exception_is_a_500_error_object():
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
         wrong_method = client.post("/fine")
         assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_split_cpus_keeps_the_first_cpu_for_the_frontend():
+    from engine.cpu_info import split_cpus
+
+    assert split_cpus((0, 1, 2, 3)) == ((0,), (1, 2, 3))
+    assert split_cpus((4, 7)) == ((4,), (7,))
+    assert split_cpus((3,)) == ((3,), (3,))  # one CPU: both share it
