@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.reliability_fixtures import pid_alive
 from tests.server_fixtures import build_tokenizer_dir, start_fake_server
 
 API_KEY = "test-key"
@@ -604,14 +605,22 @@ def test_request_racing_the_engine_death_is_not_left_hanging(tmp_path):
     import os
     import signal
 
-    thread = start_fake_server(build_tokenizer_dir(tmp_path / "tok"))
+    # No drain on stop: a hung request would hold the stop for the whole drain timeout.
+    thread = start_fake_server(build_tokenizer_dir(tmp_path / "tok"), shutdown_timeout_s=0)
     try:
         engine = thread.server.state.engine
         # 10 s: a correct server answers in well under a second even on a busy
         # machine; the bug hangs forever.
         with httpx.Client(base_url=thread.url, timeout=10) as http:
             assert http.get("/health").status_code == 200
-            os.kill(engine.client.pid, signal.SIGKILL)
+            pid = engine.client.pid
+            os.kill(pid, signal.SIGKILL)
+            # The window: the core is gone (and ZMQ has dropped its connection, a moment
+            # later) but the engine's output loop has not noticed yet (it polls every
+            # 0.1 s). A reproducer only: whether a request lands in it is timing.
+            while pid_alive(pid):
+                time.sleep(0.001)
+            time.sleep(0.02)
             response = http.post("/v1/completions", json={"prompt": "x"})
             assert response.status_code == 503 and error_of(response)["code"] == "engine_dead"
     finally:
