@@ -254,7 +254,11 @@ class SyncMPClient(EngineCoreClient):
             raise
 
     def _send(self, message: FrontendMessage) -> None:
-        self._proc.input_socket.send(self._codec.encode(message))
+        """As AsyncMPClient._send: never blocked forever by a dead core."""
+        data = self._codec.encode(message)
+        while not self._proc.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT):
+            self._proc.check_alive()
+        self._proc.input_socket.send(data)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(AddRequest(request))
@@ -443,7 +447,15 @@ class AsyncMPClient(AsyncEngineCoreClient):
         return self._proc.process.pid
 
     async def _send(self, message: FrontendMessage) -> None:
-        await self._proc.input_socket.send(self._codec.encode(message))
+        """Raises EngineDeadError if the core dies before it can take the message.
+
+        A PUSH socket whose peer is gone blocks a send forever: wait for room in
+        slices of _DEATH_POLL_MS and check the core between them.
+        """
+        data = self._codec.encode(message)
+        while not await self._proc.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT):
+            self._proc.check_alive()
+        await self._proc.input_socket.send(data)
 
     async def _next_message(self) -> CoreMessage:
         while not await self._proc.output_socket.poll(_DEATH_POLL_MS):
