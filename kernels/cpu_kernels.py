@@ -36,6 +36,7 @@ SOURCES = [Path(__file__).with_name("cpu") / name
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET
+_fused_ops: object = _UNSET
 
 
 def enabled() -> bool:
@@ -56,10 +57,14 @@ def paged_decode_kernel() -> Callable[..., None] | None:
 
 def fused_ops_for(tensor) -> object | None:
     """The kernel module when `tensor` lives on the CPU and the kernels are built, else
-    None (the caller then takes its torch path). Cheap enough for every op call."""
+    None (the caller then takes its torch path). Decided once per process: this runs
+    several times per layer and step, so it reads no environment variable."""
+    global _fused_ops
     if tensor.device.type != "cpu":
         return None
-    return cpu_kernels()
+    if _fused_ops is _UNSET:
+        _fused_ops = cpu_kernels()
+    return _fused_ops
 
 
 def cpu_kernels():
