@@ -21,6 +21,9 @@ substituted by tests/deploy_exprs.dashboard_expressions) must be accepted by
 started plus 5 s (about 15-25 s here): Grafana would use max(4 x scrape interval,
 step + scrape interval), a few seconds at a 1 s scrape, which would only cover the end of
 the traffic; the longer window covers all of it, so rates, ratios and quantiles have data.
+All these queries are evaluated at one fixed time, just after the traffic (the `time`
+parameter), so the window does not slide past the traffic while a slow machine works
+through them.
 No panel is exempt. Every alert rule expression must be accepted too, and
 Prometheus' own evaluation of the loaded rules must report every rule healthy.
 
@@ -140,9 +143,11 @@ def prometheus(binaries, server, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- helpers
-def query(prometheus_url: str, expr: str) -> dict:
-    """The `data` of an instant query; fails with Prometheus' error if it is rejected."""
-    response = httpx.get(prometheus_url + "/api/v1/query", params={"query": expr}, timeout=10)
+def query(prometheus_url: str, expr: str, at: float | None = None) -> dict:
+    """The `data` of an instant query (evaluated now, or at time `at`); fails with
+    Prometheus' error if it is rejected."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    response = httpx.get(prometheus_url + "/api/v1/query", params=params, timeout=60)
     body = response.json()
     assert response.status_code == 200 and body["status"] == "success", (expr, body)
     return body["data"]
@@ -154,8 +159,8 @@ def finite_values(data: dict) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def scalar(prometheus_url: str, expr: str) -> float:
-    values = finite_values(query(prometheus_url, expr))
+def scalar(prometheus_url: str, expr: str, at: float | None = None) -> float:
+    values = finite_values(query(prometheus_url, expr, at))
     assert len(values) == 1, (expr, values)
     return values[0]
 
@@ -274,7 +279,7 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
 
     # Drained, and Prometheus has scraped the final values (then one scrape more).
     def final_metrics():
-        samples = parse(httpx.get(server.url + "/metrics", timeout=10).text)[0]
+        samples = parse(httpx.get(server.url + "/metrics", timeout=60).text)[0]
         busy = sum(value(samples, "pagedserve:" + name) for name in (
             "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
         done = value(samples, "pagedserve:request_success_total")
@@ -314,33 +319,36 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
     assert scalar(prometheus, "sum(pagedserve:num_preemptions_total)") > 0
     assert scalar(prometheus, "sum(pagedserve:prefix_cache_hits_total)") >= 3 * BLOCK_SIZE
 
-    window = f"{math.ceil(time.time() - started) + 5}s"  # covers all the traffic
+    # Window queries are evaluated at `at` (after the final scrapes): a window that
+    # covers all the traffic then, whenever the query runs.
+    at = time.time()
+    window = f"{math.ceil(at - started) + 5}s"
     # The gauges moved during the burst (drive_traffic repeated it until a scrape caught
     # it; here the stored values are checked over the whole window).
-    assert scalar(prometheus, f"max(max_over_time(pagedserve:kv_cache_usage_perc[{window}]))") \
-        > 0
+    assert scalar(prometheus, f"max(max_over_time(pagedserve:kv_cache_usage_perc[{window}]))",
+                  at) > 0
     assert scalar(prometheus,
-                  f"max(max_over_time(pagedserve:num_requests_running[{window}]))") >= 1
+                  f"max(max_over_time(pagedserve:num_requests_running[{window}]))", at) >= 1
 
     # Every dashboard expression: accepted, and at least one finite sample.
     no_data = []
     for model_name in (".+", MODEL):  # the dashboard's "All", and one model
         variables = {"model_name": model_name, "__rate_interval": window}
         for expr in dx.dashboard_expressions(dx.DASHBOARD_PATH, variables):
-            if not finite_values(query(prometheus, expr)):
+            if not finite_values(query(prometheus, expr, at)):
                 no_data.append(expr)
     assert not no_data, "dashboard expressions without data:\n" + "\n".join(no_data)
 
     # Every alert expression: accepted (whether it fires depends on the traffic), and
     # Prometheus' own evaluation of the loaded rules is healthy.
     for expr in dx.alert_expressions(dx.ALERTS_PATH):
-        query(prometheus, expr)
+        query(prometheus, expr, at)
     alerts = {rule["alert"]: str(rule["expr"]) for rule in dx.alert_rules(dx.ALERTS_PATH)}
     for name in ("PagedserveDown", "PagedserveNotScraped"):  # the target is up
         assert not query(prometheus, alerts[name])["result"], name
 
     def rules_evaluated():
-        groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        groups = httpx.get(prometheus + "/api/v1/rules", timeout=60).json()["data"]["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
         return rules if rules and all(r.get("lastEvaluation", "").startswith("20")
                                       and not r["lastEvaluation"].startswith("0001")
@@ -351,7 +359,7 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
     unhealthy = [(r["name"], r["health"], r.get("lastError")) for r in rules
                  if r["health"] != "ok"]
     assert not unhealthy
-    targets = httpx.get(prometheus + "/api/v1/targets", timeout=10).json()["data"]
+    targets = httpx.get(prometheus + "/api/v1/targets", timeout=60).json()["data"]
     health = {t["labels"]["job"]: t["health"] for t in targets["activeTargets"]}
     assert health == {"pagedserve": "up", "prometheus": "up"}
 
