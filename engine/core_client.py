@@ -453,9 +453,13 @@ class AsyncMPClient(AsyncEngineCoreClient):
         slices of _DEATH_POLL_MS and check the core between them.
         """
         data = self._codec.encode(message)
-        while not await self._proc.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT):
-            self._proc.check_alive()
-        await self._proc.input_socket.send(data)
+        while True:
+            try:  # the usual case, with room: sent without yielding to the event loop
+                await self._proc.input_socket.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await self._proc.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT)
+                self._proc.check_alive()
 
     async def _next_message(self) -> CoreMessage:
         while not await self._proc.output_socket.poll(_DEATH_POLL_MS):
