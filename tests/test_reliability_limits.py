@@ -96,7 +96,7 @@ def test_overload_gets_503_and_the_admitted_complete(server, http):
     assert set(statuses) <= {200, 503}, statuses
     refused = [(headers, text) for status, headers, text in results if status == 503]
     admitted = [(headers, text) for status, headers, text in results if status == 200]
-    # Never more than the queue holds; exactly that many is checked last (see there).
+    # Never more than the queue holds; exactly that many is checked last.
     assert 1 <= len(admitted) <= LIMITS.max_queued_requests, statuses
     for headers, text in refused:
         assert int(headers["retry-after"]) >= 1
@@ -115,14 +115,7 @@ def test_overload_gets_503_and_the_admitted_complete(server, http):
         assert after - (before or 0) == len(refused)
     assert server.server.state.lifecycle.num_queued_sequences == 0
     assert_serving(http)
-    if len(admitted) < LIMITS.max_queued_requests:
-        # Everything else above holds; only this is short. Known server bug (issue 19's
-        # report): while a request's AddRequest is being sent to the core, its sequence
-        # is counted twice - in Lifecycle._num_pending_sequences and already in
-        # AsyncEngine._unscheduled - so a burst is refused with queue places free. It
-        # shows since the send yields to the event loop (8b1c517: it polls for room).
-        pytest.xfail(f"known bug: {len(admitted)} of {LIMITS.max_queued_requests} queue "
-                     "places admitted (a sequence being sent is counted twice)")
+    assert len(admitted) == LIMITS.max_queued_requests, statuses
     assert len(refused) == 48 - LIMITS.max_queued_requests
 
 
