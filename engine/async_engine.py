@@ -47,6 +47,7 @@ from engine.request_output import (
     TopLogprob,
 )
 from engine.sampling_params import SamplingParams
+from engine.xray import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -580,6 +581,21 @@ class AsyncEngine:
     # ------------------------------------------------------------------ control
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
+
+    async def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
+        """The engine core's queues, block pool, prefix cache and recent steps (engine/xray.py)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        return await self.client.xray_snapshot_async(limits)
+
+    def sequence_text(self, core_req_id: str) -> tuple[str | None, list[int], str] | None:
+        """(prompt text or None if it came as token ids, prompt token ids, output text so
+        far) of an unfinished core request, or None if this engine does not know it."""
+        entry = self._sequences.get(core_req_id)
+        if entry is None:
+            return None
+        state, seq = entry
+        return state.prompt, state.prompt_token_ids, seq.detokenizer.get_text(finished=False)
 
     async def check_health(
         self,

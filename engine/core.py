@@ -17,6 +17,7 @@ from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutpu
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
+from engine.xray import XrayLimits, XrayRecorder, XraySnapshot, build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,10 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks)
         self.num_steps = 0
         self._fault_injector = StepFaultInjector()
+        self.xray = XrayRecorder(self.scheduler)  # what GET /xray shows; see engine/xray.py
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        self.xray.note_request(self.scheduler.add_request(request))
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         """Abort requests; their blocks are free when this returns."""
@@ -87,6 +89,7 @@ class EngineCore:
         """Run one engine step. A failing model step fails only its own requests."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.xray.note_scheduled(scheduler_output)
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 # Nothing to compute, but the runner must still forget finished requests.
@@ -102,6 +105,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if outputs.scheduler_stats is not None:
             outputs.scheduler_stats.step_duration_s = time.perf_counter() - started
+            self.xray.record_step(self.num_steps, scheduler_output, outputs.scheduler_stats,
+                                  len(self.scheduler.finished_req_ids))
         return outputs
 
     def idle_outputs(self) -> EngineCoreOutputs:
@@ -121,6 +126,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
+        """The scheduler, block pool, prefix cache and recent steps now (between steps)."""
+        return build_snapshot(self, limits)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

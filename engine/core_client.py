@@ -52,10 +52,13 @@ from engine.ipc import (
     StartupError,
     UtilityCall,
     UtilityResult,
+    XrayCall,
+    XrayResult,
     frontend_codec,
 )
 from engine.outputs import EngineCoreOutputs
 from engine.request import EngineCoreRequest
+from engine.xray import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +357,7 @@ class AsyncEngineCoreClient(abc.ABC):
                     if not self._ping[1].done():
                         self._ping[1].set_result(None)
                     self._ping = None
-            elif isinstance(message, UtilityResult):
+            elif isinstance(message, UtilityResult | XrayResult):
                 future = self._pending_calls.pop(message.call_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -371,6 +374,18 @@ class AsyncEngineCoreClient(abc.ABC):
         self._pending_calls[call_id] = future
         await self._send(UtilityCall(call_id, method))
         return _utility_value(await future)
+
+    async def xray_snapshot_async(self, limits: XrayLimits) -> XraySnapshot:
+        """An engine x-ray snapshot, built by the core between two steps; needs a task
+        consuming `get_output_async`. Raises RuntimeError if the core failed to build it."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        await self._send(XrayCall(call_id, limits))
+        result: XrayResult = await future
+        if result.error is not None or result.snapshot is None:
+            raise RuntimeError(f"the engine core could not take an x-ray snapshot: {result.error}")
+        return result.snapshot
 
     async def ping_async(self, timeout_s: float) -> bool:
         """True if the core's busy loop answers a Ping within `timeout_s`.

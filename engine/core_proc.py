@@ -47,6 +47,8 @@ from engine.ipc import (
     StartupError,
     UtilityCall,
     UtilityResult,
+    XrayCall,
+    XrayResult,
     core_codec,
 )
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
@@ -166,6 +168,8 @@ class EngineCoreProc:
             self._send(Pong(message.ping_id))  # between two steps: the loop is alive
         elif isinstance(message, UtilityCall):
             self._send(self._call_utility(message))
+        elif isinstance(message, XrayCall):
+            self._send(self._xray_snapshot(message))  # encoded by the output thread
         elif isinstance(message, Shutdown):
             self._running = False
         else:  # pragma: no cover - the codec only decodes the union above
@@ -178,6 +182,14 @@ class EngineCoreProc:
             return UtilityResult(call.call_id, result=getattr(self.core, call.method)())
         except Exception as exc:  # noqa: BLE001
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+    def _xray_snapshot(self, call: XrayCall) -> XrayResult:
+        try:
+            return XrayResult(call.call_id, snapshot=self.core.xray_snapshot(call.limits))
+        except Exception as exc:  # noqa: BLE001 - a viewer's bug must not stop serving
+            logger.exception("x-ray snapshot failed")
+            return XrayResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -5,9 +5,9 @@ Everything on the wire is msgpack produced by msgspec from the typed structs bel
 direction is decoded strictly, so a malformed message is an error, not a guess.
 
     frontend --(FrontendMessage)--> core:  AddRequest | AbortRequests | UtilityCall | Ping
-                                           | Shutdown
+                                           | XrayCall | Shutdown
     core --(CoreMessage)--> frontend:      Ready | StartupError | Outputs | UtilityResult
-                                           | Pong | EngineDead
+                                           | Pong | XrayResult | EngineDead
 
 Ping/Pong is the liveness probe: Ping travels the same way requests do (socket, input
 thread, input queue) and the core's busy loop answers it between two steps, so a Pong
@@ -21,6 +21,7 @@ import msgspec
 from engine.core import KVCacheInfo
 from engine.outputs import EngineCoreOutputs
 from engine.request import EngineCoreRequest
+from engine.xray import XrayLimits, XraySnapshot
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -42,6 +43,14 @@ class Ping(msgspec.Struct, tag="ping"):
     """Answered by Pong(ping_id) from the core's busy loop, between two steps."""
 
     ping_id: int
+
+
+class XrayCall(msgspec.Struct, tag="xray"):
+    """Ask for an engine x-ray snapshot (engine/xray.py); the core's loop answers with
+    XrayResult(call_id) between two steps. Call ids share UtilityCall's counter."""
+
+    call_id: int
+    limits: XrayLimits
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -76,14 +85,20 @@ class Pong(msgspec.Struct, tag="pong"):
     ping_id: int
 
 
+class XrayResult(msgspec.Struct, tag="xray_result"):
+    call_id: int
+    snapshot: XraySnapshot | None = None
+    error: str | None = None
+
+
 class EngineDead(msgspec.Struct, tag="engine_dead"):
     """The core hit an unrecoverable error; the process exits after sending this."""
 
     message: str
 
 
-FrontendMessage = AddRequest | AbortRequests | UtilityCall | Ping | Shutdown
-CoreMessage = Ready | StartupError | Outputs | UtilityResult | Pong | EngineDead
+FrontendMessage = AddRequest | AbortRequests | UtilityCall | Ping | XrayCall | Shutdown
+CoreMessage = Ready | StartupError | Outputs | UtilityResult | Pong | XrayResult | EngineDead
 
 # EngineCore methods a frontend may call through UtilityCall (no arguments).
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})

@@ -38,6 +38,7 @@ from server.app import build_app
 from server.lifecycle import ServerLimits
 from server.metrics import ServerMetrics
 from server.state import ServerState
+from server.xray import XrayOptions
 
 logger = logging.getLogger("pagedserve")
 
@@ -55,6 +56,7 @@ class ServeOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
+    xray: XrayOptions = field(default_factory=XrayOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -186,7 +188,7 @@ class APIServer:
             scheduling_policy=self.engine_config.scheduler_config.policy,
             extra_stop_token_ids=info.extra_stop_token_ids, limits=options.limits,
             health_ping_timeout_s=options.health_ping_timeout_s,
-            health_step_timeout_s=options.health_step_timeout_s,
+            health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
         )
         app = build_app(self.state, options.allowed_origins)
         await _warm_up()

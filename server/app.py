@@ -1,7 +1,8 @@
 """The FastAPI application: routes, API-key check, CORS, access log, OpenAPI schema.
 
-Inference routes (/v1/*, /tokenize, /detokenize) need the API key when one is set;
-/health, /metrics and /version stay open.
+Inference routes (/v1/*, /tokenize, /detokenize) and the engine x-ray (/xray,
+/xray/state; server/xray.py) need the API key when one is set; /health, /metrics and
+/version stay open.
 
 Middleware, outermost first: access log, CORS, shutdown gate (503 while draining),
 request head/body size limits (431/413), catch-all (500 error object), then the routes.
@@ -43,6 +44,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_common import ClientDisconnected, apply_chat_template, check_model
 from server.serving_completions import create_completion
 from server.state import ServerState
+from server.xray import install_xray_routes
 
 
 def package_version() -> str:
@@ -199,6 +201,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                                     f"0..{vocab_size - 1}).", "tokens", "invalid_value")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
+    install_xray_routes(app, state)
     _install_openapi(app)
     return app
 

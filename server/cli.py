@@ -133,7 +133,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--port", "Port to listen on (0: any free port; the start-up log line says which).",
          type=int, default="8000")
     flag("--api-key", "Require 'Authorization: Bearer <key>' on the inference routes "
-         "(/v1/*, /tokenize, /detokenize); /health, /metrics and /version stay open.")
+         "(/v1/*, /tokenize, /detokenize) and on /xray; /health, /metrics and /version "
+         "stay open.")
     flag("--max-model-len", "Context length (prompt + output tokens). Default: the model's.",
          type=_positive_int)
     flag("--max-num-seqs", "Most sequences running in one step.", type=_positive_int,
@@ -200,6 +201,17 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--request-timeout", "Abort a request still running after this many seconds "
          "(finish_reason 'abort' and a request_timeout error). Default: no deadline.",
          type=_positive_seconds)
+    parser.add_argument(
+        "--xray", action=argparse.BooleanOptionalAction,
+        default=_env_bool(env_name("--xray"), True),
+        help="Serve the engine x-ray: GET /xray, a live page of the scheduler, the KV block "
+             "pool and the prefix cache, and GET /xray/state, its JSON (default: on; "
+             "--no-xray removes both). [env: PAGEDSERVE_XRAY=1|0]")
+    parser.add_argument(
+        "--xray-show-text", action="store_true",
+        default=_env_bool(env_name("--xray-show-text"), False),
+        help="Show prompt and output text on /xray (default: token counts, block ids and "
+             "hashes only). [env: PAGEDSERVE_XRAY_SHOW_TEXT=1|0]")
     flag("--shutdown-timeout", "On SIGTERM/SIGINT: refuse new requests (503) and let the "
          "in-flight ones finish for up to this many seconds, then abort the rest and exit.",
          type=_seconds, default="5")
@@ -270,6 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.core_client import EngineStartupError
     from engine.model_loader.source import ModelSourceError, resolve_model
     from server.api_server import APIServer, ServeOptions
+    from server.xray import XrayOptions
 
     configure_logging(args.log_level)
     if args.model and args.model_tag and args.model != args.model_tag:
@@ -287,7 +300,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                            allowed_origins=args.allowed_origins or [],
                            log_level=args.log_level, limits=limits_from_args(args),
-                           shutdown_timeout_s=args.shutdown_timeout)
+                           shutdown_timeout_s=args.shutdown_timeout,
+                           xray=XrayOptions(enabled=args.xray, show_text=args.xray_show_text))
     server = APIServer(options, config, model_dir, served)
     try:
         asyncio.run(server.run())

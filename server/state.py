@@ -9,6 +9,7 @@ from typing import Any
 from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from server.lifecycle import Lifecycle, ServerLimits
 from server.metrics import ServerMetrics
+from server.xray import XrayOptions
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ServerState:
     # core that does not answer still counts as alive (see AsyncEngine.check_health).
     health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
+    # GET /xray and /xray/state (--no-xray, --xray-show-text).
+    xray: XrayOptions = field(default_factory=XrayOptions)
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:

@@ -95,6 +95,16 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free_block = last
         self.num_free_blocks += len(blocks)
 
+    def peek_n(self, n: int) -> list[KVCacheBlock]:
+        """The first `n` (or fewer) free blocks from the head, the next ones `popleft`
+        would hand out, without taking them (read-only; for the engine x-ray)."""
+        blocks = []
+        block = self._head.next_free_block
+        while len(blocks) < n and block is not None and block is not self._tail:
+            blocks.append(block)
+            block = block.next_free_block
+        return blocks
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The free blocks from head to tail (for tests and invariant checks)."""
         blocks = []

@@ -1,0 +1,476 @@
+"""Engine x-ray: what the engine core records for a viewer, and the snapshot it builds.
+
+    EngineCore.add_request() ─▶ XrayRecorder.note_request()    learn each prompt block's parent
+    EngineCore.step()        ─▶ XrayRecorder.note_scheduled()  count the prefix-cache hits of
+                                                               admitted requests (O(1) each)
+                             ─▶ XrayRecorder.record_step()     one tuple into a ring of the
+                                                               last STEP_HISTORY steps
+    XrayCall over the IPC    ─▶ build_snapshot()               between two steps, on demand,
+                                                               bounded by XrayLimits
+
+Nothing here formats data while serving: the step loop only appends a tuple and, for a
+newly admitted request, bumps one counter. The snapshot is built only when a viewer asks
+(the frontend caches it and asks a few times a second at most) and its size is bounded
+for any pool: requests and block ids are capped, the block map is run-length encoded over
+at most `max_map_cells` cells, the prefix tree keeps the `max_tree_nodes` nodes with the
+biggest subtrees. It holds token counts, block ids and hashes, never token ids or text.
+
+The structs below are the JSON schema of GET /xray/state (docs/xray.md); bump
+SCHEMA_VERSION when a field changes meaning or goes away.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from engine.kv_cache.block_hash import BlockHash
+from engine.request import Request
+
+if TYPE_CHECKING:  # engine.core imports this module
+    from engine.core import EngineCore
+    from engine.outputs import SchedulerStats
+    from engine.sched.output import SchedulerOutput
+    from engine.sched.scheduler import Scheduler
+
+SCHEMA_VERSION = 1
+STEP_HISTORY = 400  # steps kept for the timeline
+RECENT_CHAINS = 256  # requests whose block-hash chains the next snapshot learns from
+HASH_HEX_DIGITS = 16  # how much of a block hash a snapshot shows
+
+# Block map cell kinds.
+FREE, FREE_CACHED, IN_USE = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- schema
+class XrayLimits(msgspec.Struct, frozen=True):
+    """Caps on a snapshot's size; the frontend sends them with each XrayCall."""
+
+    max_requests: int = 256  # listed per queue (the counts are always exact)
+    max_block_ids: int = 4096  # block ids listed across all listed requests
+    max_map_cells: int = 8192  # block map cells; a bigger pool shares cells
+    max_tree_nodes: int = 512
+    num_eviction_head: int = 64
+
+
+class XrayConfig(msgspec.Struct):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
+    enable_prefix_caching: bool
+
+
+class XrayRequest(msgspec.Struct, omit_defaults=True):
+    """One running or waiting request. `block_runs` are its blocks in token order as
+    `[first_block_id, count]` runs of consecutive ids; their total falls short of
+    `num_blocks` when the snapshot's `max_block_ids` ran out."""
+
+    req_id: str
+    status: str  # "running" | "waiting" | "preempted" (waiting again after a preemption)
+    priority: int
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose KV is in its blocks
+    num_output_tokens: int
+    max_tokens: int
+    num_cached_tokens: int  # prefix-cache hit when first scheduled (0 before that)
+    num_blocks: int
+    num_preemptions: int
+    age_s: float  # since arrival
+    block_runs: list[tuple[int, int]]
+    # Only with --xray-show-text (filled by the frontend, never by the core; absent otherwise).
+    prompt_text: str | None = None
+    output_text: str | None = None
+
+
+class XrayBlockMap(msgspec.Struct):
+    """Every block, by id, as runs of `(kind, ref_cnt, num_cells)`; kind 0 = free, 1 = free
+    but cached (its KV still serves prefix hits), 2 = in use. A cell is `cell_size` blocks
+    (1 unless the pool has more than `max_map_cells` blocks); a shared cell shows its
+    highest kind and ref count. `eviction_head` is the free queue from its head: the
+    blocks the next allocations take, evicting their cached KV."""
+
+    num_blocks: int
+    num_in_use: int
+    num_free: int
+    num_free_cached: int
+    num_cached: int  # blocks holding a prefix-cache hash, in use or free
+    cell_size: int
+    runs: list[tuple[int, int, int]]
+    eviction_head: list[int]
+
+
+class XrayTreeNode(msgspec.Struct):
+    """A cached block in the prefix tree; `parent` indexes `XrayPrefixTree.nodes`."""
+
+    block_id: int
+    hash: str  # the first HASH_HEX_DIGITS hex digits
+    parent: int  # -1: the first block of a prompt
+    ref_cnt: int  # requests holding it now
+    num_hits: int  # admissions whose prefix-cache hit covered this block
+    num_blocks_below: int  # cached blocks in its subtree, itself included (listed or not)
+
+
+class XrayPrefixTree(msgspec.Struct):
+    """The cached blocks as a tree of hash chains: a shared prefix is one trunk.
+
+    `nodes` lists parents before children, biggest subtrees first, at most
+    `max_tree_nodes`. Cached blocks outside the rooted tree are only counted: `detached`
+    ones (and their subtrees) lost their parent to eviction, so no request can hit them
+    until that parent is computed again; `unattached` ones have a parent the core never
+    saw (generated tokens of a request that finished, with RECENT_CHAINS others, between
+    two snapshots)."""
+
+    nodes: list[XrayTreeNode]
+    num_cached_blocks: int
+    num_roots: int
+    num_in_tree: int  # cached blocks under the roots, listed or not
+    num_detached: int
+    num_unattached: int
+
+
+class XraySteps(msgspec.Struct):
+    """The last steps, oldest first, as parallel lists (one entry per step).
+
+    `num_prefill_tokens` are prompt tokens computed; `num_decode_tokens` the rest (one per
+    decoding request, more for one recomputing its output after a preemption)."""
+
+    step: list[int]
+    end_time: list[float]
+    duration_ms: list[float]
+    num_reqs: list[int]
+    num_prefill_tokens: list[int]
+    num_decode_tokens: list[int]
+    num_admitted: list[int]  # new or resumed after a preemption
+    num_preemptions: list[int]
+    num_finished: list[int]
+    num_running: list[int]  # after the step
+    num_waiting: list[int]
+
+
+class XraySnapshot(msgspec.Struct):
+    schema_version: int
+    seq: int  # the core's snapshot counter
+    taken_at: float  # time.time() in the core
+    build_ms: float  # what building it cost the core
+    num_steps: int
+    config: XrayConfig
+    num_running: int
+    num_waiting: int
+    running: list[XrayRequest]  # schedule order
+    waiting: list[XrayRequest]  # queue order (the next admitted first)
+    blocks: XrayBlockMap
+    prefix_tree: XrayPrefixTree
+    steps: XraySteps
+    # Filled by the frontend (server/xray.py), not by the core.
+    model: str = ""
+    show_text: bool = False
+    min_interval_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- recorder
+class XrayRecorder:
+    """What the core remembers between snapshots; every hook is O(1) or runs in C.
+
+    `parents[h]` is the hash of the block before block `h` in its chain (None for a
+    prompt's first block), learned from prompts at arrival and, at each snapshot, from the
+    chains of live requests and of the last RECENT_CHAINS requests (a request's
+    `block_hashes` list grows in place as it generates, so keeping the list is enough to
+    learn its generated blocks after it finished). `hit_ends[h]` counts prefix-cache hits
+    whose deepest block was `h`: a hit on a chain covers every ancestor too, so a node's
+    hit count is the sum over its subtree. Both are pruned to cached hashes once they
+    outgrow the pool.
+    """
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+        self._block_size = scheduler.block_size
+        self.steps: deque[tuple] = deque(maxlen=STEP_HISTORY)
+        self.parents: dict[BlockHash, BlockHash | None] = {}
+        self.hit_ends: dict[BlockHash, int] = {}
+        self.recent_chains: deque[list[BlockHash]] = deque(maxlen=RECENT_CHAINS)
+        self.num_snapshots = 0
+        self.prune_at = 2 * scheduler.kv_cache_manager.num_blocks + 1024
+
+    def note_request(self, request: Request) -> None:
+        """Learn the parents of a new request's full prompt blocks; keep its chain."""
+        self.learn(request.block_hashes)
+        self.recent_chains.append(request.block_hashes)
+        if len(self.parents) > self.prune_at:
+            self.prune()
+
+    def learn(self, hashes: list[BlockHash]) -> None:
+        """Learn the parents along one request's chain of block hashes."""
+        if hashes:
+            self.parents[hashes[0]] = None
+            # [h0, h1, h2] -> {h1: h0, h2: h1}
+            self.parents.update(zip(itertools.islice(hashes, 1, None), hashes, strict=False))
+
+    def note_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Count the prefix-cache hits of requests admitted (or resumed) in this step."""
+        new_reqs = scheduler_output.scheduled_new_reqs
+        cached = scheduler_output.scheduled_cached_reqs
+        if not new_reqs and True not in cached.resumed_from_preemption:
+            return  # the usual decode step
+        requests = self._scheduler.requests
+        for data in new_reqs:
+            self._count_hit(requests[data.req_id], data.num_computed_tokens)
+        for req_id, resumed, num_computed in zip(
+            cached.req_ids, cached.resumed_from_preemption, cached.num_computed_tokens,
+            strict=True,
+        ):
+            if resumed:
+                self._count_hit(requests[req_id], num_computed)
+
+    def _count_hit(self, request: Request, num_hit_tokens: int) -> None:
+        num_hit_blocks = num_hit_tokens // self._block_size
+        if num_hit_blocks:
+            deepest = request.block_hashes[num_hit_blocks - 1]
+            self.hit_ends[deepest] = self.hit_ends.get(deepest, 0) + 1
+
+    def record_step(self, step: int, scheduler_output: SchedulerOutput,
+                    stats: SchedulerStats, num_finished: int) -> None:
+        """Append one step to the ring (field order of XraySteps)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        self.steps.append((
+            step, time.time(), stats.step_duration_s * 1000.0,
+            len(scheduler_output.num_scheduled_tokens), stats.num_prompt_tokens,
+            stats.num_scheduled_tokens - stats.num_prompt_tokens,
+            len(scheduler_output.scheduled_new_reqs) + cached.resumed_from_preemption.count(True),
+            len(scheduler_output.preempted_req_ids), num_finished,
+            stats.num_running_reqs, stats.num_waiting_reqs,
+        ))
+
+    def prune(self) -> None:
+        """Keep only cached hashes (plus live requests' chains); hits on evicted blocks
+        move to their nearest cached ancestor, so ancestors keep their counts."""
+        cached = self._scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+        self.roll_up_hits()
+        self.parents = {h: p for h, p in self.parents.items() if h in cached}
+        for request in self._scheduler.requests.values():
+            self.learn(request.block_hashes)
+        self.prune_at = max(self.prune_at, 2 * len(self.parents) + 1024)
+
+    def roll_up_hits(self) -> None:
+        cached = self._scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+        if all(h in cached for h in self.hit_ends):
+            return
+        rolled: dict[BlockHash, int] = {}
+        for block_hash, count in self.hit_ends.items():
+            h: BlockHash | None = block_hash
+            while h is not None and h not in cached:
+                h = self.parents.get(h)
+            if h is not None:
+                rolled[h] = rolled.get(h, 0) + count
+        self.hit_ends = rolled
+
+
+# --------------------------------------------------------------------------- snapshot
+def build_snapshot(core: EngineCore, limits: XrayLimits) -> XraySnapshot:
+    """The core's state now (call it between two steps). Cost: O(blocks + listed items)."""
+    started = time.perf_counter()
+    now = time.time()
+    scheduler = core.scheduler
+    recorder = core.xray
+    recorder.num_snapshots += 1
+    # The parents of generated blocks, of live and of recently finished requests.
+    for chain in recorder.recent_chains:
+        recorder.learn(chain)
+    recorder.recent_chains.clear()
+    for request in scheduler.requests.values():
+        recorder.learn(request.block_hashes)
+    if len(recorder.parents) > recorder.prune_at:
+        recorder.prune()  # rolls the hits up, too
+    else:
+        recorder.roll_up_hits()
+    manager = scheduler.kv_cache_manager
+    budget = [limits.max_block_ids]
+    running = [_request(r, manager, now, budget)
+               for r in itertools.islice(scheduler.running, limits.max_requests)]
+    waiting = [_request(r, manager, now, budget)
+               for r in itertools.islice(scheduler.waiting, limits.max_requests)]
+    config = scheduler.config
+    snapshot = XraySnapshot(
+        schema_version=SCHEMA_VERSION,
+        seq=recorder.num_snapshots,
+        taken_at=now,
+        build_ms=0.0,
+        num_steps=core.num_steps,
+        config=XrayConfig(
+            num_blocks=manager.num_blocks, block_size=scheduler.block_size,
+            max_model_len=scheduler.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy,
+            enable_prefix_caching=manager.enable_caching),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        running=running,
+        waiting=waiting,
+        blocks=_block_map(manager, limits),
+        prefix_tree=_prefix_tree(manager, recorder, limits),
+        steps=_steps(recorder.steps),
+    )
+    snapshot.build_ms = (time.perf_counter() - started) * 1000.0
+    return snapshot
+
+
+def _steps(rows: deque[tuple]) -> XraySteps:
+    """Rows (one tuple per step, in XraySteps' field order) to columns."""
+    if not rows:
+        return XraySteps(*([] for _ in XraySteps.__struct_fields__))
+    columns = [list(column) for column in zip(*rows, strict=True)]
+    columns[1] = [round(t, 3) for t in columns[1]]  # end_time: ms are enough
+    columns[2] = [round(ms, 3) for ms in columns[2]]  # duration_ms: µs are enough
+    return XraySteps(*columns)
+
+
+def _request(request: Request, manager, now: float, budget: list[int]) -> XrayRequest:
+    blocks = manager.req_to_blocks.get(request.req_id, [])
+    listed = blocks[:max(budget[0], 0)]
+    budget[0] -= len(listed)
+    return XrayRequest(
+        req_id=request.req_id,
+        status=request.status.name.lower(),
+        priority=request.priority,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        num_output_tokens=request.num_output_tokens,
+        max_tokens=request.max_tokens or 0,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        num_blocks=len(blocks),
+        num_preemptions=request.num_preemptions,
+        age_s=max(now - request.arrival_time, 0.0),
+        block_runs=id_runs([block.block_id for block in listed]),
+    )
+
+
+def id_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as (first, count), in order.
+
+    Example: [7, 8, 9, 3, 4, 12] -> [(7, 3), (3, 2), (12, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for block_id in ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def _block_map(manager, limits: XrayLimits) -> XrayBlockMap:
+    pool = manager.block_pool
+    num_blocks = pool.num_blocks
+    ref_cnts = np.fromiter((b.ref_cnt for b in pool.blocks), dtype=np.int64, count=num_blocks)
+    cached = pool.cached_block_hash_to_block
+    cached_ids = np.fromiter((b.block_id for b in cached.values()), dtype=np.int64,
+                             count=len(cached))
+    kinds = np.zeros(num_blocks, dtype=np.int64)
+    kinds[cached_ids] = FREE_CACHED
+    in_use = ref_cnts > 0
+    kinds[in_use] = IN_USE
+    num_in_use = int(in_use.sum())
+    num_free_cached = int((kinds == FREE_CACHED).sum())
+    cell_size = -(-num_blocks // max(limits.max_map_cells, 1))
+    if cell_size > 1:
+        # 10 blocks, cell_size 4: pad to 12, reshape to 3 cells of 4, keep each cell's max.
+        pad = (-num_blocks) % cell_size
+        kinds = np.pad(kinds, (0, pad)).reshape(-1, cell_size).max(axis=1)
+        ref_cnts = np.pad(ref_cnts, (0, pad)).reshape(-1, cell_size).max(axis=1)
+    return XrayBlockMap(
+        num_blocks=num_blocks,
+        num_in_use=num_in_use,
+        num_free=num_blocks - num_in_use,
+        num_free_cached=num_free_cached,
+        num_cached=len(cached),
+        cell_size=cell_size,
+        runs=run_length(kinds, ref_cnts),
+        eviction_head=[b.block_id for b in pool.free_block_queue.peek_n(limits.num_eviction_head)],
+    )
+
+
+def run_length(kinds: np.ndarray, ref_cnts: np.ndarray) -> list[tuple[int, int, int]]:
+    """(kind, ref_cnt, length) runs of equal neighbours.
+
+    Example: kinds [0, 0, 2, 2, 2, 1], ref_cnts [0, 0, 1, 1, 3, 0]
+      changes at 2, 4, 5 -> starts [0, 2, 4, 5] -> lengths [2, 2, 1, 1]
+      -> [(0, 0, 2), (2, 1, 2), (2, 3, 1), (1, 0, 1)]
+    """
+    if len(kinds) == 0:
+        return []
+    changes = np.flatnonzero((kinds[1:] != kinds[:-1]) | (ref_cnts[1:] != ref_cnts[:-1])) + 1
+    starts = np.concatenate(([0], changes))
+    lengths = np.diff(np.concatenate((starts, [len(kinds)])))
+    return list(zip(kinds[starts].tolist(), ref_cnts[starts].tolist(), lengths.tolist(),
+                    strict=True))
+
+
+def _prefix_tree(manager, recorder: XrayRecorder, limits: XrayLimits) -> XrayPrefixTree:
+    cached = manager.block_pool.cached_block_hash_to_block
+    parents = recorder.parents
+    roots: list[BlockHash] = []
+    detached: list[BlockHash] = []
+    unattached: list[BlockHash] = []
+    children: dict[BlockHash, list[BlockHash]] = {}
+    missing = object()
+    for block_hash in cached:
+        parent = parents.get(block_hash, missing)
+        if parent is None:
+            roots.append(block_hash)
+        elif parent is missing:
+            unattached.append(block_hash)
+        elif parent in cached:
+            children.setdefault(parent, []).append(block_hash)
+        else:
+            detached.append(block_hash)
+    sizes, hits = _subtree_sums(roots, children, recorder.hit_ends)
+    num_detached = sum(_subtree_sums(detached, children, {})[0][h] for h in detached)
+    num_unattached = sum(_subtree_sums(unattached, children, {})[0][h] for h in unattached)
+
+    # Best first from the roots: a node is listed only after its parent.
+    nodes: list[XrayTreeNode] = []
+    order = itertools.count()
+    heap = [(-sizes[h], next(order), h, -1) for h in roots]
+    heapq.heapify(heap)
+    while heap and len(nodes) < limits.max_tree_nodes:
+        _, _, block_hash, parent_index = heapq.heappop(heap)
+        block = cached[block_hash]
+        index = len(nodes)
+        nodes.append(XrayTreeNode(
+            block_id=block.block_id, hash=block_hash.hex()[:HASH_HEX_DIGITS],
+            parent=parent_index, ref_cnt=block.ref_cnt, num_hits=hits[block_hash],
+            num_blocks_below=sizes[block_hash]))
+        for child in children.get(block_hash, ()):
+            heapq.heappush(heap, (-sizes[child], next(order), child, index))
+    return XrayPrefixTree(
+        nodes=nodes, num_cached_blocks=len(cached), num_roots=len(roots),
+        num_in_tree=sum(sizes[h] for h in roots), num_detached=num_detached,
+        num_unattached=num_unattached)
+
+
+def _subtree_sums(
+    tops: list[BlockHash], children: dict[BlockHash, list[BlockHash]],
+    hit_ends: dict[BlockHash, int],
+) -> tuple[dict[BlockHash, int], dict[BlockHash, int]]:
+    """Subtree size and hit sum of every node under `tops` (iterative post-order)."""
+    sizes: dict[BlockHash, int] = {}
+    hits: dict[BlockHash, int] = {}
+    for top in tops:
+        stack = [(top, False)]
+        while stack:
+            node, expanded = stack.pop()
+            kids = children.get(node, ())
+            if not expanded:
+                stack.append((node, True))
+                stack.extend((kid, False) for kid in kids)
+                continue
+            sizes[node] = 1 + sum(sizes[kid] for kid in kids)
+            hits[node] = hit_ends.get(node, 0) + sum(hits[kid] for kid in kids)
+    return sizes, hits
