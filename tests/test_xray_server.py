@@ -256,10 +256,13 @@ def tokenizer_dir(tmp_path_factory):
     return build_tokenizer_dir(tmp_path_factory.mktemp("xray-tok"))
 
 
-def start_server(tokenizer_dir, xray: XrayOptions, **options) -> ServerThread:
-    server = build_fake_server(tokenizer_dir, max_model_len=512, max_num_seqs=4,
-                               executor_kwargs={"step_delay_s": 0.02, "num_blocks": 256},
-                               **options)
+def start_server(tokenizer_dir, xray: XrayOptions, *, max_model_len: int = 512,
+                 max_num_seqs: int = 4, executor_kwargs: dict | None = None,
+                 **options) -> ServerThread:
+    """A real server over the echo FakeExecutor (20 ms steps) with these x-ray options."""
+    server = build_fake_server(
+        tokenizer_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        executor_kwargs=executor_kwargs or {"step_delay_s": 0.02, "num_blocks": 256}, **options)
     server.options = dataclasses.replace(server.options, xray=xray)
     return ServerThread(server).start()
 
