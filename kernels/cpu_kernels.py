@@ -1,9 +1,10 @@
 """The C++ CPU kernels, one extension built on first use.
 
-- `kernels/cpu/paged_decode.cpp`: decode attention reading K and V straight from
-  the head-major paged cache, where the pure-torch path must first gather each
-  request's blocks into a dense copy: at batch 64 and ~500-token contexts that
-  gather moves more bytes per step than the attention itself reads.
+- `kernels/cpu/paged_attention.cpp`: attention of decode tokens and prompt-chunk
+  tokens reading K and V straight from the head-major paged cache, where the
+  pure-torch path must first gather each request's blocks into a dense copy: at
+  batch 64 and ~500-token contexts that gather moves more bytes per step than the
+  attention itself reads.
 - `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
   with float32 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 - `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
@@ -12,7 +13,7 @@
 The extension is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
 `-march=native`, so for this machine; ~45 s on 2 cores) into
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
-there afterwards. Where it cannot be built, `paged_decode_kernel()` returns None
+there afterwards. Where it cannot be built, `paged_attention_kernel()` returns None
 and the backend keeps the torch path. `PAGEDSERVE_CPU_KERNELS=0` turns it off.
 Its reference is `kernels.reference`.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_decode.cpp", "quant_linear.cpp", "fused_ops.cpp", "bindings.cpp")]
+           for name in ("paged_attention.cpp", "quant_linear.cpp", "fused_ops.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET
@@ -43,16 +44,19 @@ def enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
 
 
-def paged_decode_kernel() -> Callable[..., None] | None:
-    """`fn(out, query, kv_cache, block_table, seq_lens, scale)`, or None if unavailable.
+def paged_attention_kernel() -> Callable[..., None] | None:
+    """`fn(out, query, kv_cache, block_table, row_tables, seq_lens, scale)`, or None if
+    unavailable.
 
+    Query row b attends to the first seq_lens[b] positions of the sequence in
+    block_table[row_tables[b]] (row_tables empty: table row b).
     out, query: float32 [B, Hq, D] contiguous, D in HEAD_SIZES; kv_cache: float32,
-    bfloat16 or float16 [2, Hkv, num_blocks, block_size, D]; block_table: int32 [B, max_blocks];
-    seq_lens: int32 [B]. Bad shapes or indices raise RuntimeError before any work.
-    Built (or loaded) once per process.
+    bfloat16 or float16 [2, Hkv, num_blocks, block_size, D]; block_table: int32
+    [R, max_blocks]; row_tables, seq_lens: int32 [B]. Bad shapes or indices raise
+    RuntimeError before any work. Built (or loaded) once per process.
     """
     module = cpu_kernels()
-    return None if module is None else module.paged_decode_attention
+    return None if module is None else module.paged_attention
 
 
 def fused_ops_for(tensor) -> object | None:
@@ -68,7 +72,7 @@ def fused_ops_for(tensor) -> object | None:
 
 
 def cpu_kernels():
-    """The built extension module (`paged_decode_attention`, `int4_linear`,
+    """The built extension module (`paged_attention`, `int4_linear`,
     `int8_linear`), or None where it cannot be built or PAGEDSERVE_CPU_KERNELS=0."""
     global _kernel
     if not enabled():

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,24 +195,28 @@ def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
 
 
 HAS_COMPILER = kernels.cpu_kernels.toolchain_available()
+NO_ROW_TABLES = torch.empty(0, dtype=torch.int32)  # query row b reads block-table row b
 
 
-def cpu_decode_kernel():
-    """The C++ CPU decode kernel; where a compiler exists it must have built."""
-    from kernels.cpu_kernels import paged_decode_kernel
+def cpu_attention_kernel():
+    """The C++ CPU paged-attention kernel; where a compiler exists it must have built."""
+    from kernels.cpu_kernels import paged_attention_kernel
 
-    kernel = paged_decode_kernel()
+    kernel = paged_attention_kernel()
     if kernel is None:
         assert not HAS_COMPILER, "a C++ compiler and ninja are here, yet the kernel did not build"
-        pytest.skip("no C++ compiler or ninja: the CPU decode kernel cannot be built")
+        pytest.skip("no C++ compiler or ninja: the CPU attention kernel cannot be built")
     return kernel
 
 
 DECODE_ONLY_BATCH = [(37, 1), (31, 1), (0, 1), (100, 1)]  # a pure decode step
+# Chunks longer than the kernel takes (torch_backend.KERNEL_MAX_CHUNK) go to SDPA beside it.
+LONG_CHUNK_BATCH = [(37, 1), (50, 70), (0, 66), (19, 6)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("specs", [MIXED_BATCH, DECODE_ONLY_BATCH], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("specs", [MIXED_BATCH, DECODE_ONLY_BATCH, LONG_CHUNK_BATCH],
+                         ids=["mixed", "decodes", "long-chunks"])
 @pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp-decode", "sdpa-decode"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
@@ -227,14 +232,14 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, us
     from engine.attention.metadata import AttentionMetadata
 
     if use_cpu_kernel:
-        cpu_decode_kernel()
+        cpu_attention_kernel()
     batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size)
     batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
     # bf16: the reference runs in float32 on the bf16-rounded inputs.
     for name in ("query", "key", "value", "kv_cache"):
         setattr(batch, name, getattr(batch, name).to(dtype).float())
     backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
-    assert (backend.decode_kernel is not None) == use_cpu_kernel
+    assert (backend.kernel is not None) == use_cpu_kernel
     num_blocks = batch.kv_cache.shape[1]
     assert backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, 64) == (
         2, num_kv_heads, num_blocks, block_size, 64)
@@ -263,13 +268,13 @@ def test_torch_backend_matches_reference(num_heads, num_kv_heads, block_size, us
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)], ids=["gqa9x3", "mha4"])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size, cache_dtype):
+def test_cpu_kernel_decodes_match_reference(num_heads, num_kv_heads, block_size, cache_dtype):
     """Long, block-straddling contexts (1 .. 513 tokens) read through shuffled block tables.
 
     A bf16/fp16 cache is read in place and widened exactly, so the reference is the
     same attention over that cache's values in float32.
     """
-    kernel = cpu_decode_kernel()
+    kernel = cpu_attention_kernel()
     from kernels.reference import gather_kv
 
     seq_lens = [1, block_size, block_size + 1, 300, 513]
@@ -280,7 +285,7 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size
     head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
     out = torch.full_like(batch.query, float("nan"))
     scale = 64**-0.5
-    kernel(out, batch.query, head_major, batch.block_table, batch.seq_lens, scale)
+    kernel(out, batch.query, head_major, batch.block_table, NO_ROW_TABLES, batch.seq_lens, scale)
     expected = paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
                                    batch.query_start_loc, batch.seq_lens, scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -292,32 +297,94 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, block_size
     torch.testing.assert_close(out[3], dense, rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_decode_kernel_rejects_bad_inputs():
-    kernel = cpu_decode_kernel()
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4)], ids=["gqa9x3", "mha4"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_kernel_prompt_rows_match_reference(num_heads, num_kv_heads, block_size,
+                                                cache_dtype):
+    """Prompt chunks as kernel rows: one row per token, its request's table row, and
+    causal lengths (position + 1), over fresh and cached contexts that straddle blocks."""
+    kernel = cpu_attention_kernel()
+    specs = [(0, 20), (19, 6), (40, 33), (0, 1), (100, 2)]
+    batch = make_batch(specs, num_heads, num_kv_heads, 64, block_size, num_pad=0, seed=2)
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    batch.kv_cache = batch.kv_cache.to(cache_dtype).float()
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
+    row_tables = torch.cat([torch.full((q,), r, dtype=torch.int32)
+                            for r, (_, q) in enumerate(specs)])
+    row_lens = torch.cat([torch.arange(ctx + 1, ctx + q + 1, dtype=torch.int32)
+                          for ctx, q in specs])
+    out = torch.full_like(batch.query, float("nan"))
+    scale = 64**-0.5
+    kernel(out, batch.query, head_major, batch.block_table, row_tables, row_lens, scale)
+    expected = paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
+                                   batch.query_start_loc, batch.seq_lens, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rows_plan_worked_example():
+    """The plan in KernelRows' docstring, exactly."""
+    from engine.attention.backends.torch_backend import KERNEL_MAX_CHUNK, KernelRows
+    from engine.attention.metadata import AttentionMetadata
+
+    assert KERNEL_MAX_CHUNK < 100
+    qsl, seq_lens = np.array([0, 1, 4, 104], np.int32), np.array([40, 10, 100], np.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=104, max_query_len=100, max_seq_len=100,
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
+        block_table=torch.zeros(3, 8, dtype=torch.int32),
+        slot_mapping=torch.zeros(104, dtype=torch.int64), query_start_loc_np=qsl,
+        seq_lens_np=seq_lens)
+    rows = KernelRows.plan(metadata)
+    assert rows.token_idx.tolist() == [0, 1, 2, 3]
+    assert rows.row_tables.tolist() == [0, 1, 1, 1]
+    assert rows.seq_lens.tolist() == [40, 8, 9, 10]
+    assert rows.sdpa_reqs.tolist() == [2]
+    # Reordered so the long chunk comes first: the kernel's tokens are not a prefix.
+    qsl2, seq2 = np.array([0, 100, 101, 104], np.int32), np.array([100, 40, 10], np.int32)
+    metadata2 = AttentionMetadata(
+        num_actual_tokens=104, max_query_len=100, max_seq_len=100,
+        query_start_loc=torch.from_numpy(qsl2), seq_lens=torch.from_numpy(seq2),
+        block_table=torch.zeros(3, 8, dtype=torch.int32),
+        slot_mapping=torch.zeros(104, dtype=torch.int64), query_start_loc_np=qsl2,
+        seq_lens_np=seq2)
+    rows2 = KernelRows.plan(metadata2)
+    assert rows2.token_idx.tolist() == [100, 101, 102, 103]
+    assert rows2.row_tables.tolist() == [1, 2, 2, 2]
+    assert rows2.seq_lens.tolist() == [40, 8, 9, 10]
+    assert rows2.sdpa_reqs.tolist() == [0]
+
+
+def test_cpu_kernel_rejects_bad_inputs():
+    kernel = cpu_attention_kernel()
     batch = make_batch([(20, 1)], 4, 2, 64, 16, num_pad=0)
     head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
     out = torch.empty_like(batch.query)
     too_long = batch.seq_lens + 1000
     with pytest.raises(RuntimeError, match="seq_len out of range"):
-        kernel(out, batch.query, head_major, batch.block_table, too_long, 1.0)
+        kernel(out, batch.query, head_major, batch.block_table, NO_ROW_TABLES, too_long, 1.0)
     bad_table = batch.block_table.clone()
     bad_table[0, 1] = head_major.shape[2]
     with pytest.raises(RuntimeError, match="block id out of range"):
-        kernel(out, batch.query, head_major, bad_table, batch.seq_lens, 1.0)
+        kernel(out, batch.query, head_major, bad_table, NO_ROW_TABLES, batch.seq_lens, 1.0)
     odd = make_batch([(20, 1)], 4, 2, 48, 16, num_pad=0)
     with pytest.raises(RuntimeError, match="head_size 48 not supported"):
         kernel(torch.empty_like(odd.query), odd.query, odd.kv_cache.permute(0, 3, 1, 2, 4)
-               .contiguous(), odd.block_table, odd.seq_lens, 1.0)
+               .contiguous(), odd.block_table, NO_ROW_TABLES, odd.seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="float32 query"):
         kernel(out.half(), batch.query.half(), head_major.half(), batch.block_table,
-               batch.seq_lens, 1.0)
+               NO_ROW_TABLES, batch.seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="bfloat16 or float16 cache"):
-        kernel(out, batch.query, head_major.double(), batch.block_table, batch.seq_lens, 1.0)
+        kernel(out, batch.query, head_major.double(), batch.block_table, NO_ROW_TABLES,
+               batch.seq_lens, 1.0)
+    bad_rows = torch.tensor([1], dtype=torch.int32)  # the table has one row only
+    with pytest.raises(RuntimeError, match="row_tables entry out of range"):
+        kernel(out, batch.query, head_major, batch.block_table, bad_rows, batch.seq_lens, 1.0)
 
 
-def test_cpu_decode_kernel_build_survives_a_stale_lock(monkeypatch):
+def test_cpu_kernel_build_survives_a_stale_lock(monkeypatch):
     """A lock left by a killed build must not make every later start wait forever."""
-    cpu_decode_kernel()  # built (or skipped) once
+    cpu_attention_kernel()  # built (or skipped) once
     from kernels import cpu_kernels as cpu_decode
 
     lock = cpu_decode.build_directory() / "lock"
@@ -325,10 +392,10 @@ def test_cpu_decode_kernel_build_survives_a_stale_lock(monkeypatch):
     old = time.time() - cpu_decode.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     monkeypatch.setattr(cpu_decode, "_kernel", cpu_decode._UNSET)
-    assert cpu_decode.paged_decode_kernel() is not None
+    assert cpu_decode.paged_attention_kernel() is not None
     assert not lock.exists()
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
-    assert cpu_decode.paged_decode_kernel() is None
+    assert cpu_decode.paged_attention_kernel() is None
 
 
 def test_import_without_triton():

@@ -1,14 +1,22 @@
-// Paged decode attention for the CPU: one query token per request, reading K and V
-// straight from the head-major paged cache, so no per-step gather copy of the context.
+// Paged attention for the CPU: any number of query rows, each reading K and V straight
+// from the head-major paged cache, so no per-step gather copy of the context.
 //
-//   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, h / G, 0:seq_len, :]) @ V[b, h / G, 0:seq_len, :]
+//   out[b, h, :] = softmax(scale * q[b, h, :] . K[t, h / G, 0:len_b, :]) @ V[t, h / G, 0:len_b, :]
 //
-// where G = num_heads / num_kv_heads (grouped-query attention) and position p of
-// request b lives in block block_table[b, p / block_size] at offset p % block_size:
+// where G = num_heads / num_kv_heads (grouped-query attention), t = row_tables[b] is the
+// block-table row that query row b reads, and len_b = seq_lens[b] the number of keys it
+// sees. Position p of that sequence lives in block block_table[t, p / block_size] at
+// offset p % block_size:
 //
 //   kv_cache [2, num_kv_heads, num_blocks, block_size, head_size]   (0 = K, 1 = V)
 //
-// Work item = (request, KV head): its G query heads share every K/V block read.
+// A decode is one row per request (row_tables = [0, 1, ..., B-1], len = the request's
+// seq_len). A prompt chunk is one row per token, causal by its lengths. Example: a
+// request in table row 3 with 7 cached tokens scheduling 2 more (positions 7 and 8):
+//
+//   rows  b = [.., 5, 6, ..]    row_tables = [.., 3, 3, ..]    seq_lens = [.., 8, 9, ..]
+//
+// Work item = (query row, KV head): its G query heads share every K/V block read.
 // Pass 1 writes the scaled scores of all positions, a softmax normalises them,
 // pass 2 accumulates the weighted V rows. Query and output are float32; the cache may
 // be float32, bfloat16 or float16 (widened to float32 as it is read). Head sizes
@@ -41,7 +49,7 @@ struct Problem {
   float scale;
   const float* q_all;
   const T *k_cache, *v_cache;
-  const int32_t *tables, *lens;
+  const int32_t *tables, *row_tables, *lens;  // row_tables null: row b reads table row b
   float* out_all;
 };
 
@@ -51,7 +59,8 @@ void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<fl
   constexpr int kVecs = kHeadSize / 8;
   const int64_t seq_len = pb.lens[b], group = pb.group, block_size = pb.block_size;
   const int64_t block_floats = block_size * kHeadSize;
-  const int32_t* table = pb.tables + b * pb.table_stride;
+  const int64_t table_row = pb.row_tables ? pb.row_tables[b] : b;
+  const int32_t* table = pb.tables + table_row * pb.table_stride;
   const float* q = pb.q_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
   const int64_t head_base = kv_head * pb.num_blocks;
   const int64_t num_used_blocks = (seq_len + block_size - 1) / block_size;
@@ -126,12 +135,18 @@ void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<fl
   }
 }
 
+// Rows in zigzag order, so that each thread's contiguous share of the items mixes short
+// and long rows (a prompt's rows grow by one key each: a plain split would give the
+// second thread three quarters of the work). Example, 6 rows: 0 5 1 4 2 3.
+inline int64_t zigzag(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
+
 template <typename T, int kHeadSize>
-void attend_all(const Problem<T>& pb, int64_t num_reqs) {
-  at::parallel_for(0, num_reqs * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+void attend_all(const Problem<T>& pb, int64_t num_rows) {
+  at::parallel_for(0, num_rows * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      attend_one<T, kHeadSize>(pb, item / pb.num_kv_heads, item % pb.num_kv_heads, scores);
+      const int64_t row = zigzag(item / pb.num_kv_heads, num_rows);
+      attend_one<T, kHeadSize>(pb, row, item % pb.num_kv_heads, scores);
     }
   });
 }
@@ -139,8 +154,9 @@ void attend_all(const Problem<T>& pb, int64_t num_reqs) {
 
 template <typename T>
 void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
-         const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale) {
-  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+         const torch::Tensor& block_table, const torch::Tensor& row_tables,
+         const torch::Tensor& seq_lens, double scale) {
+  const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   Problem<T> pb;
   pb.num_heads = num_heads;
@@ -155,54 +171,68 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
   pb.k_cache = kv_cache.data_ptr<T>();
   pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * head_size;
   pb.tables = block_table.data_ptr<int32_t>();
+  pb.row_tables = row_tables.numel() ? row_tables.data_ptr<int32_t>() : nullptr;
   pb.lens = seq_lens.data_ptr<int32_t>();
   // Validate every index the kernel will follow, before any thread starts.
-  const int64_t max_blocks = block_table.size(1);
-  for (int64_t b = 0; b < num_reqs; ++b) {
+  const int64_t max_blocks = block_table.size(1), num_tables = block_table.size(0);
+  for (int64_t b = 0; b < num_rows; ++b) {
     const int64_t len = pb.lens[b];
+    const int64_t table_row = pb.row_tables ? pb.row_tables[b] : b;
+    TORCH_CHECK(table_row >= 0 && table_row < num_tables, "row_tables entry out of range");
     TORCH_CHECK(len >= 1 && (len + pb.block_size - 1) / pb.block_size <= max_blocks,
                 "seq_len out of range for its block table row");
     for (int64_t i = 0; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
-      const int64_t block = pb.tables[b * pb.table_stride + i];
+      const int64_t block = pb.tables[table_row * pb.table_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
   }
   switch (head_size) {
-    case 16: attend_all<T, 16>(pb, num_reqs); break;
-    case 32: attend_all<T, 32>(pb, num_reqs); break;
-    case 64: attend_all<T, 64>(pb, num_reqs); break;
-    case 80: attend_all<T, 80>(pb, num_reqs); break;
-    case 96: attend_all<T, 96>(pb, num_reqs); break;
-    case 128: attend_all<T, 128>(pb, num_reqs); break;
-    case 256: attend_all<T, 256>(pb, num_reqs); break;
+    case 16: attend_all<T, 16>(pb, num_rows); break;
+    case 32: attend_all<T, 32>(pb, num_rows); break;
+    case 64: attend_all<T, 64>(pb, num_rows); break;
+    case 80: attend_all<T, 80>(pb, num_rows); break;
+    case 96: attend_all<T, 96>(pb, num_rows); break;
+    case 128: attend_all<T, 128>(pb, num_rows); break;
+    case 256: attend_all<T, 256>(pb, num_rows); break;
     default: TORCH_CHECK(false, "head_size ", head_size, " not supported (16/32/64/80/96/128/256)");
   }
 }
 
 }  // namespace
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 query");
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
+                     torch::Tensor block_table, torch::Tensor row_tables, torch::Tensor seq_lens,
+                     double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_attention: float32 query");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
                   out.scalar_type() == torch::kFloat32, "out must be like query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
-                  block_table.stride(1) == 1, "block_table must be int32 [B, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int32 [B]");
+                  block_table.stride(1) == 1, "block_table must be int32 [R, max_blocks]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
+                  seq_lens.size(0) == query.size(0), "seq_lens must be contiguous int32 [B]");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
               "query and kv_cache heads do not match");
-  TORCH_CHECK(block_table.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
-              "one block_table row and one seq_len per request");
+  if (row_tables.numel()) {
+    TORCH_CHECK(row_tables.scalar_type() == torch::kInt32 && row_tables.is_contiguous() &&
+                    row_tables.size(0) == query.size(0),
+                "row_tables must be contiguous int32 [B] (or empty: row b reads table row b)");
+  } else {
+    TORCH_CHECK(block_table.size(0) == query.size(0),
+                "without row_tables, one block_table row per query row");
+  }
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32: run<float>(out, query, kv_cache, block_table, seq_lens, scale); break;
-    case torch::kBFloat16:
-      run<c10::BFloat16>(out, query, kv_cache, block_table, seq_lens, scale);
+    case torch::kFloat32:
+      run<float>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
       break;
-    case torch::kHalf: run<c10::Half>(out, query, kv_cache, block_table, seq_lens, scale); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16 cache");
+    case torch::kBFloat16:
+      run<c10::BFloat16>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
+      break;
+    case torch::kHalf:
+      run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
+      break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 cache");
   }
 }
