@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -46,6 +47,7 @@ HASH_HEX_DIGITS = 16  # how much of a block hash a snapshot shows
 
 # Block map cell kinds.
 FREE, FREE_CACHED, IN_USE = 0, 1, 2
+_REF_CNT, _BLOCK_ID = operator.attrgetter("ref_cnt"), operator.attrgetter("block_id")
 
 
 # --------------------------------------------------------------------------- schema
@@ -368,10 +370,9 @@ def id_runs(ids: list[int]) -> list[tuple[int, int]]:
 def _block_map(manager, limits: XrayLimits) -> XrayBlockMap:
     pool = manager.block_pool
     num_blocks = pool.num_blocks
-    ref_cnts = np.fromiter((b.ref_cnt for b in pool.blocks), dtype=np.int64, count=num_blocks)
+    ref_cnts = np.fromiter(map(_REF_CNT, pool.blocks), dtype=np.int64, count=num_blocks)
     cached = pool.cached_block_hash_to_block
-    cached_ids = np.fromiter((b.block_id for b in cached.values()), dtype=np.int64,
-                             count=len(cached))
+    cached_ids = np.fromiter(map(_BLOCK_ID, cached.values()), dtype=np.int64, count=len(cached))
     kinds = np.zeros(num_blocks, dtype=np.int64)
     kinds[cached_ids] = FREE_CACHED
     in_use = ref_cnts > 0
@@ -412,65 +413,83 @@ def run_length(kinds: np.ndarray, ref_cnts: np.ndarray) -> list[tuple[int, int, 
                     strict=True))
 
 
-def _prefix_tree(manager, recorder: XrayRecorder, limits: XrayLimits) -> XrayPrefixTree:
-    cached = manager.block_pool.cached_block_hash_to_block
-    parents = recorder.parents
-    roots: list[BlockHash] = []
-    detached: list[BlockHash] = []
-    unattached: list[BlockHash] = []
-    children: dict[BlockHash, list[BlockHash]] = {}
-    missing = object()
-    for block_hash in cached:
-        parent = parents.get(block_hash, missing)
-        if parent is None:
-            roots.append(block_hash)
-        elif parent is missing:
-            unattached.append(block_hash)
-        elif parent in cached:
-            children.setdefault(parent, []).append(block_hash)
-        else:
-            detached.append(block_hash)
-    sizes, hits = _subtree_sums(roots, children, recorder.hit_ends)
-    num_detached = sum(_subtree_sums(detached, children, {})[0][h] for h in detached)
-    num_unattached = sum(_subtree_sums(unattached, children, {})[0][h] for h in unattached)
+# Parent codes of a tree's tops; every other node's parent is its index.
+ROOT, DETACHED, UNATTACHED = -1, -2, -3
+_MISSING = object()
 
-    # Best first from the roots: a node is listed only after its parent.
+
+def _prefix_tree(manager, recorder: XrayRecorder, limits: XrayLimits) -> XrayPrefixTree:
+    """The tree of cached blocks, summed with numpy so a 100,000-block cache stays cheap:
+    nodes are indexed 0..n-1 in `cached` order, `parent[i]` is a node index or a top code."""
+    cached = manager.block_pool.cached_block_hash_to_block
+    hashes = list(cached)
+    n = len(hashes)
+    # Hash -> node index, plus the top codes: a parent hash of None is a ROOT, one never
+    # recorded (_MISSING) UNATTACHED, one not cached (not a key) DETACHED. Maps run in C.
+    index: dict[object, int] = dict(zip(hashes, range(n), strict=True))
+    index[None], index[_MISSING] = ROOT, UNATTACHED
+    parent_hashes = map(recorder.parents.get, hashes, itertools.repeat(_MISSING))
+    parent = np.fromiter(map(index.get, parent_hashes, itertools.repeat(DETACHED)),
+                         dtype=np.int64, count=n)
+    hits = np.zeros(n, dtype=np.int64)
+    for block_hash, count in recorder.hit_ends.items():
+        if (i := index.get(block_hash, -1)) >= 0:
+            hits[i] += count
+    totals = _subtree_totals(parent, hits)  # [:, 0] cached blocks, [:, 1] hits
+    sizes, hit_sums = totals[:, 0].tolist(), totals[:, 1].tolist()
+
+    # Best first from the roots: a node is listed only after its parent. Children of a
+    # node are a slice of the nodes sorted by parent.
+    by_parent = np.argsort(parent, kind="stable")
+    sorted_parent = parent[by_parent]
     nodes: list[XrayTreeNode] = []
     order = itertools.count()
-    heap = [(-sizes[h], next(order), h, -1) for h in roots]
+    heap = [(-sizes[i], next(order), i, -1) for i in np.flatnonzero(parent == ROOT).tolist()]
     heapq.heapify(heap)
     while heap and len(nodes) < limits.max_tree_nodes:
-        _, _, block_hash, parent_index = heapq.heappop(heap)
+        _, _, i, parent_index = heapq.heappop(heap)
+        block_hash = hashes[i]
         block = cached[block_hash]
-        index = len(nodes)
         nodes.append(XrayTreeNode(
             block_id=block.block_id, hash=block_hash.hex()[:HASH_HEX_DIGITS],
-            parent=parent_index, ref_cnt=block.ref_cnt, num_hits=hits[block_hash],
-            num_blocks_below=sizes[block_hash]))
-        for child in children.get(block_hash, ()):
-            heapq.heappush(heap, (-sizes[child], next(order), child, index))
+            parent=parent_index, ref_cnt=block.ref_cnt, num_hits=hit_sums[i],
+            num_blocks_below=sizes[i]))
+        first, last = np.searchsorted(sorted_parent, [i, i + 1])
+        for child in by_parent[first:last].tolist():
+            heapq.heappush(heap, (-sizes[child], next(order), child, len(nodes) - 1))
+    size_array = totals[:, 0]
     return XrayPrefixTree(
-        nodes=nodes, num_cached_blocks=len(cached), num_roots=len(roots),
-        num_in_tree=sum(sizes[h] for h in roots), num_detached=num_detached,
-        num_unattached=num_unattached)
+        nodes=nodes, num_cached_blocks=n, num_roots=int((parent == ROOT).sum()),
+        num_in_tree=int(size_array[parent == ROOT].sum()),
+        num_detached=int(size_array[parent == DETACHED].sum()),
+        num_unattached=int(size_array[parent == UNATTACHED].sum()))
 
 
-def _subtree_sums(
-    tops: list[BlockHash], children: dict[BlockHash, list[BlockHash]],
-    hit_ends: dict[BlockHash, int],
-) -> tuple[dict[BlockHash, int], dict[BlockHash, int]]:
-    """Subtree size and hit sum of every node under `tops` (iterative post-order)."""
-    sizes: dict[BlockHash, int] = {}
-    hits: dict[BlockHash, int] = {}
-    for top in tops:
-        stack = [(top, False)]
-        while stack:
-            node, expanded = stack.pop()
-            kids = children.get(node, ())
-            if not expanded:
-                stack.append((node, True))
-                stack.extend((kid, False) for kid in kids)
-                continue
-            sizes[node] = 1 + sum(sizes[kid] for kid in kids)
-            hits[node] = hit_ends.get(node, 0) + sum(hits[kid] for kid in kids)
-    return sizes, hits
+def _subtree_totals(parent: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per node: [cached blocks in its subtree, sum of `values` over it] (tops: parent < 0).
+
+    Depths by pointer doubling: `up[i]` is an ancestor of i (a top points to itself) and
+    `depth[i]` the steps from i to it; each round doubles the jump. Chain 0 <- 1 <- 2 <- 3
+    (parent [-1, 0, 1, 2]): up [0, 0, 1, 2], depth [0, 1, 1, 1]
+    -> up [0, 0, 0, 1], depth [0, 1, 2, 2] -> up [0, 0, 0, 0], depth [0, 1, 2, 3].
+    Then the levels, deepest first, add their totals into their parents.
+    """
+    n = len(parent)
+    totals = np.stack([np.ones(n, dtype=np.int64), values], axis=1)
+    if n == 0:
+        return totals
+    is_top = parent < 0
+    up = np.where(is_top, np.arange(n), parent)
+    depth = (~is_top).astype(np.int64)
+    while True:
+        next_up = up[up]
+        if np.array_equal(next_up, up):
+            break
+        depth += depth[up]
+        up = next_up
+    by_depth = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[by_depth], np.arange(int(depth.max()) + 2))
+    for level in range(int(depth.max()), 0, -1):
+        members = by_depth[bounds[level]:bounds[level + 1]]
+        np.add.at(totals, parent[members], totals[members])
+    return totals

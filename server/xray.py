@@ -58,7 +58,7 @@ class XrayOptions:
     enabled: bool = True  # --no-xray: no routes at all
     show_text: bool = False  # --xray-show-text: prompt and output text of listed requests
     min_interval_s: float = 0.25  # at most 4 snapshots a second
-    max_interval_s: float = 5.0  # however costly a snapshot (a huge pool, a busy machine)
+    max_interval_s: float = 30.0  # the stalest a costly snapshot (a huge pool) may get
     max_core_share: float = 0.01  # of the core's time spent building snapshots
     timeout_s: float = 10.0  # waiting for the core (it answers between two steps)
     max_text_chars: int = 200  # per prompt and per output, with --xray-show-text
