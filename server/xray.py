@@ -8,11 +8,12 @@
 
 However many viewers poll, the core builds at most one snapshot per interval: at least
 `min_interval_s`, and long enough that building snapshots takes at most `max_core_share`
-of the core's time (a huge pool is snapshotted less often), up to `max_interval_s`. Prompt and output text are
-added here, never in the core, and only with --xray-show-text. Both routes need the API
-key when the server has one: as `Authorization: Bearer <key>` or as the password of HTTP
-Basic auth, which a browser asks for (a page cannot send a bearer token when it is opened).
---no-xray leaves both routes out.
+of the core's time (a huge pool is snapshotted less often), up to `max_interval_s`.
+Prompt and output text are added here, never in the core, and only with
+--xray-show-text. Both routes need the API key when the server has one: as
+`Authorization: Bearer <key>` or as the password of HTTP Basic auth, which a browser asks
+for (a page cannot send a bearer token when it is opened). --no-xray leaves both routes
+out.
 """
 
 from __future__ import annotations
