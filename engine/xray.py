@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # engine.core imports this module
 
 SCHEMA_VERSION = 1
 STEP_HISTORY = 400  # steps kept for the timeline
-RECENT_CHAINS = 256  # requests whose block-hash chains the next snapshot learns from
+RECENT_CHAINS = 256  # new requests whose block-hash chains the next snapshot learns from
 HASH_HEX_DIGITS = 16  # how much of a block hash a snapshot shows
 
 # Block map cell kinds.
@@ -184,9 +184,10 @@ class XrayRecorder:
 
     `parents[h]` is the hash of the block before block `h` in its chain (None for a
     prompt's first block), learned from prompts at arrival and, at each snapshot, from the
-    chains of live requests and of the last RECENT_CHAINS requests (a request's
-    `block_hashes` list grows in place as it generates, so keeping the list is enough to
-    learn its generated blocks after it finished). `hit_ends[h]` counts prefix-cache hits
+    chains of live requests and of the last RECENT_CHAINS requests added or generating
+    since the last snapshot (a request's `block_hashes` list grows in place as it
+    generates, so keeping the list is enough to learn its generated blocks after it
+    finished). `hit_ends[h]` counts prefix-cache hits
     whose deepest block was `h`: a hit on a chain covers every ancestor too, so a node's
     hit count is the sum over its subtree. Both are pruned to cached hashes once they
     outgrow the pool.
@@ -198,7 +199,8 @@ class XrayRecorder:
         self.steps: deque[tuple] = deque(maxlen=STEP_HISTORY)
         self.parents: dict[BlockHash, BlockHash | None] = {}
         self.hit_ends: dict[BlockHash, int] = {}
-        self.recent_chains: deque[list[BlockHash]] = deque(maxlen=RECENT_CHAINS)
+        self.recent_chains: deque[list[BlockHash]] = deque(
+            maxlen=RECENT_CHAINS + scheduler.config.max_num_seqs)
         self.num_snapshots = 0
         self.prune_at = 2 * scheduler.kv_cache_manager.num_blocks + 1024
 
@@ -215,6 +217,18 @@ class XrayRecorder:
             self.parents[hashes[0]] = None
             # [h0, h1, h2] -> {h1: h0, h2: h1}
             self.parents.update(zip(itertools.islice(hashes, 1, None), hashes, strict=False))
+
+    def learn_recent(self) -> None:
+        """Learn the chains kept since the last snapshot and those of live requests; keep
+        the chains of requests that generate (running, or preempted after generating):
+        they may finish, with more generated blocks, before the next snapshot."""
+        for chain in self.recent_chains:
+            self.learn(chain)
+        self.recent_chains.clear()
+        for request in self._scheduler.requests.values():
+            self.learn(request.block_hashes)
+            if request.num_output_tokens:
+                self.recent_chains.append(request.block_hashes)
 
     def note_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """Count the prefix-cache hits of requests admitted (or resumed) in this step."""
@@ -283,12 +297,7 @@ def build_snapshot(core: EngineCore, limits: XrayLimits) -> XraySnapshot:
     scheduler = core.scheduler
     recorder = core.xray
     recorder.num_snapshots += 1
-    # The parents of generated blocks, of live and of recently finished requests.
-    for chain in recorder.recent_chains:
-        recorder.learn(chain)
-    recorder.recent_chains.clear()
-    for request in scheduler.requests.values():
-        recorder.learn(request.block_hashes)
+    recorder.learn_recent()
     if len(recorder.parents) > recorder.prune_at:
         recorder.prune()  # rolls the hits up, too
     else:

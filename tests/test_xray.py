@@ -202,6 +202,7 @@ def test_detached_and_unattached_blocks():
         1, 0, 1, [])
     # A core that never saw a chain cannot attach its blocks.
     core.xray.parents.clear()
+    core.xray.recent_chains.clear()
     core.abort_requests(["a"])
     s = snap(core)
     assert (s.prefix_tree.num_unattached, s.prefix_tree.num_detached) == (1, 0)
@@ -218,7 +219,17 @@ def test_generated_blocks_of_finished_requests_keep_their_parents():
     tree = s.prefix_tree
     assert (tree.num_roots, tree.num_in_tree, tree.num_unattached) == (3, 12, 0)
     assert sorted(n.num_blocks_below for n in tree.nodes if n.parent < 0) == [4, 4, 4]
-    assert core.xray.recent_chains.maxlen == RECENT_CHAINS and not core.xray.recent_chains
+    assert core.xray.recent_chains.maxlen == RECENT_CHAINS + 8 and not core.xray.recent_chains
+
+    # Seen by a snapshot while running, then finished with more generated blocks.
+    add(core, "late", [7] * 4, max_tokens=13)
+    for _ in range(2):
+        core.step()
+    assert snap(core).prefix_tree.num_in_tree == 12 + 1
+    while core.has_unfinished_requests():
+        core.step()
+    tree = snap(core).prefix_tree
+    assert (tree.num_roots, tree.num_in_tree, tree.num_unattached) == (4, 16, 0)
 
 
 def test_size_is_bounded_for_a_big_pool():
