@@ -26,6 +26,7 @@ to all three, and pagedserve keeps the GGUF's 4-bit linears unless `--pagedserve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -72,6 +73,7 @@ class LevelResult:
     server: str
     concurrency: int
     metrics: dict
+    hog: bool = False  # run beside a one-core busy loop (--hog)
 
 
 def transformers_bin() -> str:
@@ -222,19 +224,37 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
                                                  num_prompts=widest, num_warmups=1))
             if status != 0:
                 raise RuntimeError(f"{name}: warm-up run failed")
-            for concurrency in args.concurrency:
-                result_file = str(Path(args.result_dir) / f"{name}-c{concurrency}.json")
-                status = bench_serve.main(bench_args(
-                    args, name, base_url, model_dir, concurrency, result_file,
-                    num_prompts=concurrency * args.prompts_per_client, num_warmups=0))
+            levels = [(c, False) for c in args.concurrency]
+            levels += [(c, True) for c in args.concurrency] if args.hog else []
+            for concurrency, hog in levels:
+                tag = f"c{concurrency}" + ("-hog" if hog else "")
+                result_file = str(Path(args.result_dir) / f"{name}-{tag}.json")
+                with busy_loop(hog):
+                    status = bench_serve.main(bench_args(
+                        args, name, base_url, model_dir, concurrency, result_file,
+                        num_prompts=concurrency * args.prompts_per_client, num_warmups=0))
                 if status != 0:
-                    raise RuntimeError(f"{name}: the run at {concurrency} clients failed")
+                    raise RuntimeError(f"{name}: the run at {tag} failed")
                 with open(result_file) as f:
                     metrics = json.load(f)["metrics"]
                 check_output_tokens(name, metrics, args.output_len)
-                results.append(LevelResult(name, concurrency, metrics))
+                results.append(LevelResult(name, concurrency, metrics, hog))
         finally:
             stop(process)
+
+
+@contextlib.contextmanager
+def busy_loop(enabled: bool):
+    """A one-core CPU hog for the duration of the block (nothing when not enabled)."""
+    if not enabled:
+        yield
+        return
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def check_output_tokens(name: str, metrics: dict, output_len: int) -> None:
@@ -299,13 +319,14 @@ def markdown_table(args: argparse.Namespace, results: list[LevelResult],
     ]
     for r in results:
         m = r.metrics
+        clients = f"{r.concurrency} + 1-core hog" if r.hog else str(r.concurrency)
         lines.append(
-            f"| {LABELS[r.server]} | {precisions[r.server]} | {r.concurrency} | "
+            f"| {LABELS[r.server]} | {precisions[r.server]} | {clients} | "
             f"{m['completed']} / {m['failed']} | "
             f"{m['output_throughput']:.1f} | {ms(m['ttft_ms'])} | {ms(m['ttft_ms'], 'p99')} | "
             f"{ms(m['itl_ms'])} | {ms(m['tpot_ms'])} | {ms(m['e2el_ms'])} |"
         )
-    by_key = {(r.server, r.concurrency): r.metrics for r in results}
+    by_key = {(r.server, r.concurrency): r.metrics for r in results if not r.hog}
     for concurrency in args.concurrency:
         ours = by_key.get(("pagedserve", concurrency))
         ratios = []
@@ -333,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hog", action="store_true",
+                        help="run every level again beside a one-core busy loop")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=None,
                         help="default: every one installed")
     parser.add_argument("--port", type=int, default=18300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -124,13 +125,17 @@ def test_table_has_a_row_per_level_and_the_throughput_ratios():
         compare_servers.LevelResult("vllm", 32, metrics(60.0, 2000)),
         compare_servers.LevelResult("transformers", 1, metrics(12.5, 400)),
         compare_servers.LevelResult("transformers", 32, metrics(30.0, 9000)),
+        compare_servers.LevelResult("pagedserve", 32, metrics(45.0, 9000), hog=True),
     ]
     servers = ["pagedserve", "vllm", "llamacpp", "transformers"]
     precisions = {name: compare_servers.precision(args, name, gguf) for name in servers}
     table = compare_servers.markdown_table(args, results, precisions,
                                            {"llamacpp": "server exited"})
     rows = [line for line in table.splitlines() if line.startswith("| ") and "clients" not in line]
-    assert len(rows) == 6
+    assert len(rows) == 7
+    # The hog row is labelled and stays out of the ratios (which compare quiet runs).
+    assert "| pagedserve | bfloat16, quantization none | 32 + 1-core hog | 4 / 0 | 45.0 |" \
+        in table
     assert "CPU flags: " in table.splitlines()[0]
     assert "| pagedserve | bfloat16, quantization none | 32 | 4 / 0 | 90.0 | 5,000 | 10,000 |" \
         in table
@@ -139,3 +144,27 @@ def test_table_has_a_row_per_level_and_the_throughput_ratios():
     assert "32 clients, pagedserve's output tok/s over: vLLM 1.50x, transformers 3.00x" in table
     assert "llama.cpp `llama-server`: failed: server exited" in table
     assert precisions["llamacpp"] == "`m.Q4_1.gguf`"
+
+
+def test_busy_loop_runs_only_inside_its_block():
+    with compare_servers.busy_loop(False):
+        pass
+    before = set(live_children())
+    with compare_servers.busy_loop(True):
+        hogs = set(live_children()) - before
+        assert len(hogs) == 1
+    assert not (set(live_children()) & hogs)
+
+
+def live_children() -> list[int]:
+    """PIDs of this process's live (not zombie) children, read from /proc."""
+    me, children = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                children.append(int(entry.name))
+    return children
