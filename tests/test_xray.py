@@ -8,6 +8,8 @@ first, the last running request is preempted).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -21,9 +23,16 @@ from engine.xray import (
     FREE_CACHED,
     IN_USE,
     RECENT_CHAINS,
+    SCHEMA_VERSION,
     STEP_HISTORY,
+    XrayBlockMap,
+    XrayConfig,
     XrayLimits,
+    XrayPrefixTree,
+    XrayRequest,
     XraySnapshot,
+    XraySteps,
+    XrayTreeNode,
     id_runs,
     run_length,
 )
@@ -305,3 +314,12 @@ def test_waiting_queue_order(policy):
     assert [r.req_id for r in s.waiting] == expected
     assert [r.priority for r in s.waiting] == [{"first": 5, "second": 9, "third": 1}[r]
                                                for r in expected]
+
+
+def test_every_field_is_documented():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "xray.md").read_text()
+    assert f"(`schema_version` {SCHEMA_VERSION})" in doc
+    for struct in (XraySnapshot, XrayConfig, XrayRequest, XrayBlockMap, XrayTreeNode,
+                   XrayPrefixTree, XraySteps):
+        for field in struct.__struct_fields__:
+            assert f"`{field}`" in doc, f"docs/xray.md does not describe {struct.__name__}.{field}"
