@@ -171,3 +171,18 @@ def test_page_under_load(server, driver, tmp_path):
     finally:
         server.stop()  # aborts the rest of the load
         load.thread.join(DEADLINE_S)
+
+
+def test_page_behind_api_key(driver, tmp_path_factory):
+    """With --api-key the browser gives the key by HTTP Basic auth (here in the URL, as a
+    login box would) and the page's own requests carry it."""
+    thread = start_server(build_tokenizer_dir(tmp_path_factory.mktemp("xray-auth-tok")),
+                          XrayOptions(), api_key="browser-key", shutdown_timeout_s=0.5)
+    try:
+        driver.get(thread.url + "/xray")  # no key: the browser's login box, not the page
+        assert "snapshot-seq" not in driver.page_source
+        driver.get(thread.url.replace("http://", "http://viewer:browser-key@") + "/xray")
+        wait_for(lambda: driver.execute_script(READ_DOM)["seq"] > 0, "the page's first snapshot")
+        assert driver.find_element("id", "status").text.startswith("live")
+    finally:
+        thread.stop()
