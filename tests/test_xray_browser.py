@@ -82,9 +82,14 @@ def driver():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    thread = start_server(build_tokenizer_dir(tmp_path_factory.mktemp("xray-browser-tok")),
-                          XrayOptions(), max_num_seqs=MAX_NUM_SEQS, shutdown_timeout_s=0.5,
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer_dir(tmp_path_factory.mktemp("xray-browser-tok"))
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer_dir):
+    thread = start_server(tokenizer_dir, XrayOptions(), max_num_seqs=MAX_NUM_SEQS,
+                          shutdown_timeout_s=0.5,
                           executor_kwargs={"step_delay_s": 0.02, "num_blocks": 384},
                           max_model_len=1024)
     yield thread
@@ -173,11 +178,11 @@ def test_page_under_load(server, driver, tmp_path):
         load.thread.join(DEADLINE_S)
 
 
-def test_page_behind_api_key(driver, tmp_path_factory):
+def test_page_behind_api_key(driver, tokenizer_dir):
     """With --api-key the browser gives the key by HTTP Basic auth (here in the URL, as a
     login box would) and the page's own requests carry it."""
-    thread = start_server(build_tokenizer_dir(tmp_path_factory.mktemp("xray-auth-tok")),
-                          XrayOptions(), api_key="browser-key", shutdown_timeout_s=0.5)
+    thread = start_server(tokenizer_dir, XrayOptions(), api_key="browser-key",
+                          shutdown_timeout_s=0.5)
     try:
         driver.get(thread.url + "/xray")  # no key: the browser's login box, not the page
         assert "snapshot-seq" not in driver.page_source
