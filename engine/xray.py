@@ -187,10 +187,9 @@ class XrayRecorder:
     chains of live requests and of the last RECENT_CHAINS requests added or generating
     since the last snapshot (a request's `block_hashes` list grows in place as it
     generates, so keeping the list is enough to learn its generated blocks after it
-    finished). `hit_ends[h]` counts prefix-cache hits
-    whose deepest block was `h`: a hit on a chain covers every ancestor too, so a node's
-    hit count is the sum over its subtree. Both are pruned to cached hashes once they
-    outgrow the pool.
+    finished). `hit_ends[h]` counts prefix-cache hits whose deepest block was `h`: a hit
+    on a chain covers every ancestor too, so a node's hit count is the sum over its
+    subtree. Both are pruned to cached hashes once they outgrow the pool.
     """
 
     def __init__(self, scheduler: Scheduler):
@@ -305,11 +304,13 @@ def build_snapshot(core: EngineCore, limits: XrayLimits) -> XraySnapshot:
     else:
         recorder.roll_up_hits()
     manager = scheduler.kv_cache_manager
-    budget = [limits.max_block_ids]
-    running = [_request(r, manager, now, budget)
-               for r in itertools.islice(scheduler.running, limits.max_requests)]
-    waiting = [_request(r, manager, now, budget)
-               for r in itertools.islice(scheduler.waiting, limits.max_requests)]
+    running: list[XrayRequest] = []
+    waiting: list[XrayRequest] = []
+    num_block_ids_left = limits.max_block_ids  # shared by every listed request, in order
+    for queue, listed in ((scheduler.running, running), (scheduler.waiting, waiting)):
+        for request in itertools.islice(queue, limits.max_requests):
+            listed.append(_request(request, manager, now, num_block_ids_left))
+            num_block_ids_left -= sum(count for _, count in listed[-1].block_runs)
     config = scheduler.config
     snapshot = XraySnapshot(
         schema_version=SCHEMA_VERSION,
@@ -344,10 +345,9 @@ def _steps(rows: deque[tuple]) -> XraySteps:
     return XraySteps(*columns)
 
 
-def _request(request: Request, manager, now: float, budget: list[int]) -> XrayRequest:
+def _request(request: Request, manager, now: float, max_block_ids: int) -> XrayRequest:
     blocks = manager.req_to_blocks.get(request.req_id, [])
-    listed = blocks[:max(budget[0], 0)]
-    budget[0] -= len(listed)
+    listed = blocks[:max(max_block_ids, 0)]
     return XrayRequest(
         req_id=request.req_id,
         status=request.status.name.lower(),
