@@ -22,6 +22,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "spin_pool.h"
 #include "vec8.h"
 
 namespace {
@@ -111,7 +112,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    pagedserve::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         rms_norm_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps));
     });
@@ -132,7 +133,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), rs = residual.stride(0);
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    pagedserve::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* xr = xp + r * xs;
         scalar_t* res = rp + r * rs;
@@ -178,7 +179,7 @@ void rotary_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Te
     scalar_t* kp = k.data_ptr<scalar_t>();
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
-    at::parallel_for(0, tokens, grain_rows((heads_q + heads_k) * rot), [&](int64_t begin,
+    pagedserve::parallel_for(0, tokens, grain_rows((heads_q + heads_k) * rot), [&](int64_t begin,
                                                                             int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float* c = cp + t * rot;
@@ -203,7 +204,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
+    pagedserve::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = xp + r * xs;
         const scalar_t* u = g + inner;
@@ -263,7 +264,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
       const in_t* sources[2] = {key.data_ptr<in_t>(), value.data_ptr<in_t>()};
       const int64_t token_strides[2] = {key.stride(0), value.stride(0)};
       const int64_t head_strides[2] = {key.stride(1), value.stride(1)};
-      at::parallel_for(0, tokens, grain_rows(2 * heads * dim), [&](int64_t begin, int64_t end) {
+      pagedserve::parallel_for(0, tokens, grain_rows(2 * heads * dim), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           if (slots[t] < 0) continue;
           for (int kv = 0; kv < 2; ++kv)

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "spin_pool.h"
 #include "vec8.h"
 
 namespace {
@@ -142,7 +143,7 @@ inline int64_t zigzag(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 
 
 template <typename T, int kHeadSize>
 void attend_all(const Problem<T>& pb, int64_t num_rows) {
-  at::parallel_for(0, num_rows * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_for(0, num_rows * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = zigzag(item / pb.num_kv_heads, num_rows);

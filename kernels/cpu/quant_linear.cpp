@@ -44,6 +44,8 @@
 #include <cstring>
 #include <vector>
 
+#include "spin_pool.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -183,7 +185,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const uint8_t* weight, int64_
   const QuantizedActivations qa = quantize_activations(x.data_ptr<float>(), rows, cols);
   auto out = torch::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
+  pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wrow = weight + n * row_bytes;
       const float* srow = scales + n * groups;
