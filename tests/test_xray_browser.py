@@ -102,7 +102,7 @@ const value = (id) => Number(document.getElementById(id).dataset.value);
 const segs = [...document.querySelectorAll('#prefix-tree g.seg')];
 const roots = segs.filter((g) => g.dataset.root === '1');
 return {
-  seq: Number(document.getElementById('snapshot-seq').dataset.seq),
+  seq: Number(document.getElementById('snapshot-seq').dataset.seq || 0),  // 0: none yet
   running: value('num-running'), waiting: value('num-waiting'),
   in_use: value('num-blocks-in-use'), free_cached: value('num-free-cached'),
   running_rows: [...document.querySelectorAll('#queue-rows tr[data-status=running]')]
