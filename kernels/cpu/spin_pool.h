@@ -5,9 +5,10 @@
 // spinning OpenMP threads a 32-client load ran ~10x slower). But then every parallel region
 // wakes the other thread from a futex, ~30 us, and a one-client decode step runs ~150
 // regions: int4 linear chain 14.1 ms with PASSIVE against 9.9 ms with ACTIVE (2 cores).
-// This pool's workers spin for kSpinMicros after their last job -- long enough to bridge
+// This pool's workers spin for 100 us after their last job -- long enough to bridge
 // the Python between two kernels of one forward pass, short enough that an idle engine
-// sleeps -- and then wait on a futex (C++20 atomic wait).
+// sleeps -- and then wait on a futex (C++20 atomic wait). PAGEDSERVE_SPIN_US (read once
+// per process) sets that time; 0 makes the workers sleep at once, as PASSIVE OpenMP does.
 //
 // Contract: parallel_for(begin, end, grain, fn) calls fn(b, e) on disjoint ranges covering
 // [begin, end), at most one range per thread, and returns when all are done. One caller at a
@@ -23,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -37,7 +39,7 @@ inline void cpu_relax() {
 
 class SpinPool {
  public:
-  static constexpr int64_t kSpinMicros = 100;
+  static constexpr int64_t kDefaultSpinMicros = 100;
 
   // The process's pool, sized to torch's thread count at first use (minus the caller).
   static SpinPool& get() {
@@ -95,7 +97,8 @@ class SpinPool {
   }
 
  private:
-  explicit SpinPool(int num_workers) : num_workers_(num_workers), pid_(getpid()) {
+  explicit SpinPool(int num_workers)
+      : num_workers_(num_workers), pid_(getpid()), spin_micros_(spin_micros_from_env()) {
     for (int i = 0; i < num_workers; ++i) std::thread([this, i] { worker_loop(i); }).detach();
   }
 
@@ -113,11 +116,17 @@ class SpinPool {
     }
   }
 
-  // Spin up to kSpinMicros for a new generation, then sleep until one comes.
+  static int64_t spin_micros_from_env() {
+    const char* value = std::getenv("PAGEDSERVE_SPIN_US");
+    if (value == nullptr || *value == '\0') return kDefaultSpinMicros;
+    return std::max<int64_t>(0, std::atoll(value));
+  }
+
+  // Spin up to spin_micros_ for a new generation, then sleep until one comes.
   uint64_t wait_for_change(uint64_t seen) {
     const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-    for (int i = 0;; ++i) {
+        std::chrono::steady_clock::now() + std::chrono::microseconds(spin_micros_);
+    for (int i = 0; spin_micros_ > 0; ++i) {
       const uint64_t now = generation_.load(std::memory_order_acquire);
       if (now != seen) return now;
       cpu_relax();
@@ -136,6 +145,7 @@ class SpinPool {
 
   const int num_workers_;
   const pid_t pid_;
+  const int64_t spin_micros_;
   std::mutex busy_;
   const std::function<void(int64_t)>* job_ = nullptr;
   std::atomic<int64_t> active_workers_{0}, pending_{0};
