@@ -327,32 +327,27 @@ def test_kernel_rows_plan_worked_example():
     from engine.attention.backends.torch_backend import KERNEL_MAX_CHUNK, KernelRows
     from engine.attention.metadata import AttentionMetadata
 
+    def plan(query_start_loc: list[int], seq_lens: list[int]) -> KernelRows:
+        qsl, lens = np.array(query_start_loc, np.int32), np.array(seq_lens, np.int32)
+        return KernelRows.plan(AttentionMetadata(
+            num_actual_tokens=int(qsl[-1]), max_query_len=100, max_seq_len=100,
+            query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(lens),
+            block_table=torch.zeros(3, 8, dtype=torch.int32),
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            query_start_loc_np=qsl, seq_lens_np=lens))
+
     assert KERNEL_MAX_CHUNK < 100
-    qsl, seq_lens = np.array([0, 1, 4, 104], np.int32), np.array([40, 10, 100], np.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=104, max_query_len=100, max_seq_len=100,
-        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-        block_table=torch.zeros(3, 8, dtype=torch.int32),
-        slot_mapping=torch.zeros(104, dtype=torch.int64), query_start_loc_np=qsl,
-        seq_lens_np=seq_lens)
-    rows = KernelRows.plan(metadata)
+    rows = plan([0, 1, 4, 104], [40, 10, 100])
     assert rows.token_idx.tolist() == [0, 1, 2, 3]
     assert rows.row_tables.tolist() == [0, 1, 1, 1]
     assert rows.seq_lens.tolist() == [40, 8, 9, 10]
     assert rows.sdpa_reqs.tolist() == [2]
     # Reordered so the long chunk comes first: the kernel's tokens are not a prefix.
-    qsl2, seq2 = np.array([0, 100, 101, 104], np.int32), np.array([100, 40, 10], np.int32)
-    metadata2 = AttentionMetadata(
-        num_actual_tokens=104, max_query_len=100, max_seq_len=100,
-        query_start_loc=torch.from_numpy(qsl2), seq_lens=torch.from_numpy(seq2),
-        block_table=torch.zeros(3, 8, dtype=torch.int32),
-        slot_mapping=torch.zeros(104, dtype=torch.int64), query_start_loc_np=qsl2,
-        seq_lens_np=seq2)
-    rows2 = KernelRows.plan(metadata2)
-    assert rows2.token_idx.tolist() == [100, 101, 102, 103]
-    assert rows2.row_tables.tolist() == [1, 2, 2, 2]
-    assert rows2.seq_lens.tolist() == [40, 8, 9, 10]
-    assert rows2.sdpa_reqs.tolist() == [0]
+    rows = plan([0, 100, 101, 104], [100, 40, 10])
+    assert rows.token_idx.tolist() == [100, 101, 102, 103]
+    assert rows.row_tables.tolist() == [1, 2, 2, 2]
+    assert rows.seq_lens.tolist() == [40, 8, 9, 10]
+    assert rows.sdpa_reqs.tolist() == [0]
 
 
 def test_cpu_kernel_rejects_bad_inputs():
