@@ -33,7 +33,21 @@ def json_logprob(value: float) -> float:
     return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+# Characters that JSON leaves raw but Python's str.splitlines (and so httpx's iter_lines,
+# and many line-based SSE readers) treats as line breaks: one in a token would cut an
+# event in two for those clients. Escaped, the JSON value is the same.
+_LINE_BREAKS_JSON_KEEPS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse(data_json: str) -> str:
+    r"""One SSE event carrying `data_json`, safe for line-splitting clients.
+
+    Example: {"c":"a<U+2028>b"} -> data: {"c":"a\u2028b"}  (then a blank line).
+    """
+    if not data_json.isascii():
+        for raw, escaped in _LINE_BREAKS_JSON_KEEPS.items():
+            if raw in data_json:
+                data_json = data_json.replace(raw, escaped)
     return f"data: {data_json}\n\n"
 
 

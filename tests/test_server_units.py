@@ -183,3 +183,19 @@ def test_split_cpus_keeps_the_first_cpu_for_the_frontend():
     assert split_cpus((0, 1, 2, 3)) == ((0,), (1, 2, 3))
     assert split_cpus((4, 7)) == ((4,), (7,))
     assert split_cpus((3,)) == ((3,), (3,))  # one CPU: both share it
+
+
+@pytest.mark.parametrize("char", ["\u0085", "\u2028", "\u2029"])
+def test_sse_events_survive_clients_that_split_on_unicode_line_breaks(char):
+    """httpx's iter_lines (str.splitlines) breaks lines at U+0085/U+2028/U+2029, which JSON
+    leaves raw: a token holding one cut a streamed event in two (seen in a test run)."""
+    import json
+
+    from server.serving_common import sse
+
+    payload = {"delta": {"content": f"a{char}b é"}}
+    event = sse(json.dumps(payload, ensure_ascii=False))
+    lines = [line for line in event.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: "):]) == payload
+    assert "é" in event  # other non-ASCII text stays as it is
