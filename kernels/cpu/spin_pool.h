@@ -13,7 +13,8 @@
 // Contract: parallel_for(begin, end, grain, fn) calls fn(b, e) on disjoint ranges covering
 // [begin, end), at most one range per thread, and returns when all are done. One caller at a
 // time: a second concurrent caller (or a call from inside fn) runs its loop inline. After a
-// fork the child builds its own workers.
+// fork the child builds its own workers. fn must not throw (a worker cannot pass an
+// exception back): the kernels check their inputs before they fork.
 
 #pragma once
 
