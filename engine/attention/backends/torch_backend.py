@@ -152,15 +152,14 @@ class KernelRows:
         qsl = metadata.query_start_loc_np
         reqs = np.flatnonzero(takes)
         lens = query_lens[reqs]
+        # j = each row's index within its request's chunk: lens [1, 3] -> [0, 0, 1, 2].
+        j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         # Token j of request r sits at position seq_lens[r] - query_lens[r] + j.
-        first_key_count = metadata.seq_lens_np[reqs] - lens + 1
-        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        seq_lens = np.repeat(first_key_count, lens) + within
+        seq_lens = np.repeat(metadata.seq_lens_np[reqs] - lens + 1, lens) + j
         if len(reqs) == metadata.num_reqs:
             token_idx = None
         else:
-            token_idx = torch.from_numpy(np.repeat(qsl[reqs] - np.cumsum(lens) + lens, lens)
-                                         + np.arange(int(lens.sum())))
+            token_idx = torch.from_numpy(np.repeat(qsl[reqs], lens) + j)
         return KernelRows(
             token_idx=token_idx,
             row_tables=torch.from_numpy(np.repeat(reqs, lens).astype(np.int32)),
