@@ -6,6 +6,7 @@ the server (see `engine/core_proc.py`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutpu
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager
 from engine.xray import XrayLimits, XrayRecorder, XraySnapshot, build_snapshot
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,11 @@ class EngineCore:
             config.scheduler_config, max_model_len=self.kv_cache_info.max_model_len
         )
         cache_config = replace(config.cache_config, block_size=self.kv_cache_info.block_size)
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks)
+        self.structured_output = StructuredOutputManager(
+            functools.partial(_load_tokenizer, config.model_config.model),
+            self.kv_cache_info.vocab_size)
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks,
+                                   structured_output=self.structured_output)
         self.num_steps = 0
         self._fault_injector = StepFaultInjector()
         self.xray = XrayRecorder(self.scheduler)  # what GET /xray shows; see engine/xray.py
@@ -111,7 +117,8 @@ class EngineCore:
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """No outputs, just the current stats (for an idle engine's heartbeat)."""
-        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        return EngineCoreOutputs(outputs=self.scheduler.take_grammar_failures(),
+                                 scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
 
     def _fail_step(self, scheduler_output: SchedulerOutput, message: str) -> EngineCoreOutputs:
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -132,4 +139,14 @@ class EngineCore:
         return build_snapshot(self, limits)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _load_tokenizer(model: str):
+    """The model's Hugging Face tokenizer (for grammar compiles; loaded on first use)."""
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model).path))

@@ -78,6 +78,8 @@ class SchedulerStats:
     # its previous token (a preemption's stall included).
     inter_token_latencies_s: list[float] = field(default_factory=list)
     step_duration_s: float = 0.0
+    # Structured outputs: seconds of each grammar compile that finished since the last stats.
+    grammar_compile_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -5,12 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import BlockHash, BlockHasher
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.structured_output import RequestGrammar
+
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_GRAMMAR = enum.auto()  # its structured-output grammar is compiling
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -90,6 +95,8 @@ class Request:
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine if None
         self.last_token_time: float | None = None  # time.time() of the latest sampled token
+        # Structured outputs: the grammar the scheduler masks and advances (None: free).
+        self.grammar: RequestGrammar | None = None
 
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_output.params import StructuredOutputsParams
+
 # Hard caps a client cannot exceed (an operator may lower them at the server edge).
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
@@ -45,6 +47,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # The output must match this grammar (engine/structured_output/); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +80,9 @@ class SamplingParams:
         check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
+        check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+              "min_tokens cannot be combined with structured outputs (a complete output "
+              "may allow nothing but its end).")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or 0 <= value <= MAX_LOGPROBS, name,

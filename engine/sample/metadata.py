@@ -55,6 +55,11 @@ class SamplingMetadata:
     # min_tokens: flat (batch position, token id) pairs to mask to -inf this step.
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_token_ids: torch.Tensor | None = None
+    # Structured outputs: next-token masks for the constrained rows only. Row
+    # grammar_rows[i] keeps the tokens whose bits are set in grammar_bitmask[i]
+    # (int32 [Bg, ceil(V / 32)]); None when no row is constrained.
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # [B] requested top-N logprobs per row, -1 = no logprobs.
     num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     max_num_logprobs: int | None = None  # None: no row wants logprobs

@@ -3,7 +3,8 @@
 Processing order (each stage is skipped when no row of the batch needs it):
 
   1. logits in float32 (a float32 input is modified in place);
-  2. logit_bias is added;
+  2. logit_bias is added; constrained rows (structured outputs) get their grammar's
+     token bitmask: forbidden tokens -> -inf (only those rows pay for it);
   3. min_tokens: while a row has fewer than `min_tokens` outputs, its EOS and
      `stop_token_ids` are set to -inf (whatever `ignore_eos` says: that flag
      only affects stopping);
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 
 from engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from engine.sample.metadata import SamplingMetadata
+from engine.structured_output.backend import apply_bitmask
 
 # Candidates examined by top-p before falling back to a full sort of the row.
 _NUM_CANDIDATES = 1024
@@ -148,7 +150,8 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Stages 1-4: float32, logit bias, min_tokens masking, penalties (in place)."""
+    """Stages 1-4: float32, logit bias and grammar masks, min_tokens masking, penalties
+    (in place)."""
     if logits.dim() != 2 or logits.shape[0] != md.num_reqs:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {md.num_reqs} rows")
     if logits.shape[1] != md.vocab_size:
@@ -156,6 +159,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     logits = logits.to(torch.float32)
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
+    if md.grammar_bitmask is not None:
+        apply_bitmask(logits, md.grammar_bitmask, md.grammar_rows)
     if md.min_tokens_rows is not None:
         logits.index_put_(
             (md.min_tokens_rows, md.min_tokens_token_ids), logits.new_tensor(float("-inf"))

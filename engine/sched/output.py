@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -39,6 +43,18 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Next-token masks of this step's constrained requests that sample.
+
+    `bitmask` is int32 [len(req_ids), ceil(vocab / 32)]: token t is allowed for
+    `req_ids[i]` when bit t % 32 of `bitmask[i, t // 32]` is set.
+    """
+
+    req_ids: list[str]
+    bitmask: torch.Tensor
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan. `num_scheduled_tokens` is keyed by req_id, in batch order."""
 
@@ -50,6 +66,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests finished (or aborted) since the last step: the runner forgets them.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: masks for the constrained requests that sample this step.
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -10,10 +10,17 @@ prefilled in chunks, and decodes (one new token each) share steps with prefills.
            allocate_slots() fails?  -> preempt the lowest-priority running request
                                        (free its blocks, reset it, FRONT of waiting);
                                        admit no waiting request this step.
+
+Structured outputs (engine/structured_output/): a constrained request waits in
+`waiting_for_grammar` until its grammar is compiled (off the step loop), then joins
+the waiting queue; each step fills the next-token bitmask of the constrained requests
+that sample (SchedulerOutput.grammar) and advances their matchers with the tokens
+they keep. Unconstrained steps skip all of it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -22,12 +29,26 @@ from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from engine.request import EngineCoreRequest, Request, RequestStatus
-from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched.output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 from engine.sched.request_queue import make_request_queue
+from engine.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output: StructuredOutputManager | None = None,
+    ):
         if (
             not scheduler_config.enable_chunked_prefill
             and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len
@@ -55,6 +76,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._num_preemptions_since_stats = 0
         self._scheduled_times: dict[str, float] = {}
+        # Structured outputs: None when this engine cannot constrain (constrained
+        # requests are then refused). Requests compiling their grammar, those admitted
+        # with one, and the error outputs of those whose compile failed.
+        self.structured_output = structured_output
+        self.waiting_for_grammar: list[Request] = []
+        self._constrained_req_ids: set[str] = set()
+        self._grammar_failures: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -78,9 +106,46 @@ class Scheduler:
             )
         room = min(self.max_model_len, num_cache_tokens) - request.num_prompt_tokens
         request.max_tokens = min(request.max_tokens or room, room)
+        params = request.sampling_params
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured outputs are not available in this engine")
+            stop_token_ids = list(params.stop_token_ids)
+            if request.eos_token_id is not None:
+                stop_token_ids.insert(0, request.eos_token_id)
+            request.grammar = self.structured_output.submit(params.structured_outputs,
+                                                            stop_token_ids)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.requests[request.req_id] = request
+            self.waiting_for_grammar.append(request)
+            self._admit_compiled()  # a cached grammar is ready at once
+            return request
         self.requests[request.req_id] = request
         self.waiting.add(request)
         return request
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail failed ones."""
+        compiling = []
+        for request in self.waiting_for_grammar:
+            grammar = request.grammar
+            if not self.structured_output.poll(grammar):
+                compiling.append(request)
+            elif grammar.error is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                self._grammar_failures.append(
+                    EngineCoreOutput(request.req_id, [], "error", error=grammar.error))
+            else:
+                request.status = RequestStatus.WAITING
+                self._constrained_req_ids.add(request.req_id)
+                self.waiting.add(request)
+        self.waiting_for_grammar = compiling
+
+    def take_grammar_failures(self) -> list[EngineCoreOutput]:
+        """Error outputs of requests whose grammar failed to compile, since the last call."""
+        failures, self._grammar_failures = self._grammar_failures, []
+        return failures
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[str]:
         """Finish (typically abort) requests wherever they are; frees their blocks.
@@ -95,6 +160,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -107,16 +174,21 @@ class Scheduler:
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
         self._scheduled_times.pop(request.req_id, None)
+        if request.grammar is not None:
+            request.grammar = None  # frees its matcher
+            self._constrained_req_ids.discard(request.req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_grammar)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_grammar)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
@@ -262,14 +334,29 @@ class Scheduler:
             total_num_scheduled_tokens=sum(ordered.values()),
             preempted_req_ids={r.req_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
+            grammar=self._grammar_bitmask(ordered) if self._constrained_req_ids else None,
         )
+
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> GrammarBitmask | None:
+        """Masks of the constrained requests that sample this step (their scheduled
+        tokens reach the end of their sequence; a mid-prefill chunk samples nothing)."""
+        req_ids, grammars = [], []
+        for req_id in self._constrained_req_ids:
+            num_tokens = num_scheduled_tokens.get(req_id)
+            request = self.requests[req_id]
+            if num_tokens and request.num_computed_tokens + num_tokens >= request.num_tokens:
+                req_ids.append(req_id)
+                grammars.append(request.grammar)
+        if not req_ids:
+            return None
+        return GrammarBitmask(req_ids, self.structured_output.fill_bitmask(grammars))
 
     # ------------------------------------------------------------------ update
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.take_grammar_failures()
         num_prompt_tokens = num_generation_tokens = num_prompt_tokens_prefilled = 0
         inter_token_latencies_s: list[float] = []
         now = time.time()
@@ -293,10 +380,20 @@ class Scheduler:
                 continue
             sampled = runner_output.sampled_token_ids[index] if index is not None else []
             new_token_ids: list[int] = []
+            grammar = request.grammar
             for token_id in sampled:
+                if grammar is not None and not grammar.accept(token_id):
+                    # Only a token the mask allowed can get here; end the output cleanly.
+                    logger.warning("request %s: grammar rejected token %d; stopping",
+                                   req_id, token_id)
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    break
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
+                    break
+                if grammar is not None and grammar.terminated:
+                    request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
                     break
             num_generation_tokens += len(new_token_ids)
             if new_token_ids:
@@ -373,6 +470,8 @@ class Scheduler:
             num_preemptions=self._num_preemptions_since_stats,
         )
         self._num_preemptions_since_stats = 0
+        if self.structured_output is not None:
+            stats.grammar_compile_seconds = self.structured_output.take_compile_seconds()
         return stats
 
     def reset_prefix_cache(self) -> bool:

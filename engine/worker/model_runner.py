@@ -22,7 +22,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
-from engine.sched.output import SchedulerOutput
+from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -101,7 +101,7 @@ class ModelRunner:
         with set_forward_context(inputs.attn_metadata, self.backend):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
-        sampled = self._sample(inputs, hidden_states)
+        sampled = self._sample(inputs, hidden_states, scheduler_output.grammar)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(inputs.req_ids)},
@@ -217,7 +217,8 @@ class ModelRunner:
         )
 
     def _sample(
-        self, inputs: ModelInputs, hidden_states: torch.Tensor
+        self, inputs: ModelInputs, hidden_states: torch.Tensor,
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[list[list[int]], dict[str, Logprobs]]:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         if len(inputs.sample_req_indices) == 0:
@@ -225,6 +226,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         sample_rows = inputs.row_indices[inputs.sample_req_indices]
         metadata = self.sampling_state.make_metadata(sample_rows)
+        if grammar is not None:
+            # Batch position of each constrained request among the sampling rows.
+            position = {inputs.req_ids[r]: i for i, r in enumerate(inputs.sample_req_indices)}
+            metadata.grammar_rows = [position[req_id] for req_id in grammar.req_ids]
+            metadata.grammar_bitmask = grammar.bitmask
         output = self.sampler(logits, metadata)
         token_ids = output.sampled_token_ids.tolist()
         logprobs: dict[str, Logprobs] = {}

@@ -1,0 +1,152 @@
+"""The engine core's side of structured outputs: compiles, matchers and bitmasks.
+
+    scheduler.add_request      submit(params)  -> RequestGrammar (compile queued or cached)
+    scheduler.schedule         poll()          -> admit the request once compiled
+                               fill_bitmask()  -> [rows, words] mask of the rows that sample
+    runner / sampler           masks those rows' logits (forbidden tokens -> -inf)
+    scheduler.update_from_output  accept(token) advances the request's matcher
+
+Compiles run on a small thread pool (xgrammar releases the GIL), never in the step
+loop, behind a cache keyed by the spec: equal schemas compile once. A request whose
+compile takes longer than `compile_timeout_s` fails alone. The first compile also
+builds the tokenizer's vocabulary table (a few tenths of a second), so a server that
+never sees a constrained request pays nothing.
+
+A matcher advances only on tokens the request keeps: a preempted request keeps its
+output tokens (recompute re-prefills them), so its matcher stays valid as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured_output.backend import GrammarBackend
+from engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+_CACHE_ENTRIES = 256
+_COMPILE_THREADS = 2
+
+
+@dataclass
+class CompileResult:
+    compiled: Any = None  # xgrammar CompiledGrammar
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class RequestGrammar:
+    """One request's grammar: a (shared) compile and, once compiled, its own matcher."""
+
+    params: StructuredOutputsParams
+    stop_token_ids: list[int]
+    future: Future
+    submitted_at: float = field(default_factory=time.monotonic)
+    matcher: Any = None
+    error: str | None = None
+
+    def accept(self, token_id: int) -> bool:
+        """Advance the matcher by one token; False if the grammar forbids it."""
+        return bool(self.matcher.accept_token(token_id))
+
+    @property
+    def terminated(self) -> bool:
+        """The output is complete and its stop token was accepted."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    ):
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compile_seconds: list[float] = []  # compiles finished since take_compile_seconds()
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------ compiles
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = GrammarBackend(self._load_tokenizer(), self.vocab_size)
+            return self._backend
+
+    def submit(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> RequestGrammar:
+        """Start (or reuse) the compile of `params`; never blocks."""
+        future = self._cache.get(params.key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+            future = self._pool.submit(self._compile, params)
+            self._cache[params.key] = future
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(params.key)
+        return RequestGrammar(params, list(stop_token_ids), future)
+
+    def _compile(self, params: StructuredOutputsParams) -> CompileResult:
+        started = time.perf_counter()
+        try:
+            compiled = self.backend.compile(params)
+        except Exception as exc:  # noqa: BLE001 - a bad spec fails its requests only
+            return CompileResult(error=f"invalid {params.kind} grammar: {exc}")
+        seconds = time.perf_counter() - started
+        with self._stats_lock:
+            self._compile_seconds.append(seconds)
+        return CompileResult(compiled=compiled, seconds=seconds)
+
+    def poll(self, grammar: RequestGrammar) -> bool:
+        """True once `grammar` is usable (its matcher built) or has failed (`.error`)."""
+        if grammar.matcher is not None or grammar.error is not None:
+            return True
+        if not grammar.future.done():
+            waited = time.monotonic() - grammar.submitted_at
+            if waited > self.compile_timeout_s:
+                grammar.error = (f"grammar compilation took longer than "
+                                 f"{self.compile_timeout_s:g} s")
+                return True
+            return False
+        result: CompileResult = grammar.future.result()
+        if result.error is not None:
+            grammar.error = result.error
+        else:
+            grammar.matcher = self.backend.matcher(result.compiled, grammar.stop_token_ids)
+        return True
+
+    def take_compile_seconds(self) -> list[float]:
+        """Durations of the compiles finished since the last call (for metrics)."""
+        with self._stats_lock:
+            seconds, self._compile_seconds = self._compile_seconds, []
+        return seconds
+
+    # ------------------------------------------------------------ the step
+    def fill_bitmask(self, grammars: list[RequestGrammar]):
+        """[len(grammars), words] int32: row i allows the tokens grammar i may take next."""
+        bitmask = self.backend.allocate_bitmask(len(grammars))
+        for i, grammar in enumerate(grammars):
+            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
