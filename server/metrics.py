@@ -57,6 +57,7 @@ from engine.input_checks import PromptError
 from engine.outputs import SchedulerStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParamsError
+from engine.structured_output import GRAMMAR_KINDS, StructuredOutputsParams
 
 # No `<name>_created` companion series: they are not part of the catalogue, and they
 # would double the number of series Prometheus stores. (Process-wide, as vLLM does.)
@@ -202,6 +203,19 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Tokens generated for a finished request.",
             TOKEN_COUNT_BUCKETS)
+        # ------------------------------------------------------------ structured outputs
+        self._structured_requests = Counter(
+            PREFIX + "structured_output_requests_total",
+            "Requests whose output a grammar constrains, by kind (json, json_object, regex, "
+            "choice, grammar; tool_choice required/named count as json).",
+            ["model_name", "kind"], registry=r)
+        self.structured_requests = {
+            kind: self._structured_requests.labels(model_name, kind) for kind in GRAMMAR_KINDS
+        }
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds",
+            "Time to compile one grammar in the engine (cache hits are not compiles).",
+            TOKEN_LATENCY_BUCKETS_S)
         self._cache_config = Info(
             PREFIX + "cache_config", "KV-cache configuration (value 1; the facts are labels).",
             labels, registry=r)
@@ -238,6 +252,8 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         for seconds in stats.inter_token_latencies_s:
             self.inter_token_latency.observe(seconds)
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile_time.observe(seconds)
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)
@@ -275,6 +291,11 @@ class ServerMetrics:
                 self.time_per_output_token.observe(decode_s / (longest - 1))
 
     # ---------------------------------------------------------------- HTTP hooks
+    def record_structured_output(self, params: StructuredOutputsParams | None) -> None:
+        """Count a request the engine will constrain (None: a free one, not counted)."""
+        if params is not None:
+            self.structured_requests[params.kind].inc()
+
     def record_request_failure(self, reason: str) -> None:
         """Count a request that failed before the engine had it (see the module doc).
 

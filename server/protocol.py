@@ -69,6 +69,34 @@ class UsageInfo(OpenAIResponse):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JSONSchemaFormat(OpenAIRequest):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field("response", description="The schema's name (OpenAI requires one).")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(
+        None, alias="schema", description="The JSON schema the output must match.")
+    strict: bool | None = Field(None, description="Accepted; outputs always match the schema.")
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIRequest):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(
+        None, alias="json", description="A JSON schema (object or JSON text).")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's dialect).")
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
@@ -105,6 +133,16 @@ class SamplingFields(OpenAIRequest):
         None, description="Isolates this request's prefix-cache entries from other salts.")
     priority: Int64 = Field(
         0, description="Lower runs first under the priority scheduling policy.")
+    # Structured outputs (server/structured_outputs.py): at most one of these.
+    response_format: ResponseFormat | None = Field(
+        None, description="{'type': 'json_object'} or {'type': 'json_schema', ...}.")
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | bool | str | None = Field(
+        None, description="Alias of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Alias of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(
+        None, description="Alias of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Alias of structured_outputs.grammar.")
 
 
 # ---------------------------------------------------------------- completions
@@ -183,12 +221,6 @@ class ChatMessage(OpenAIRequest):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIRequest):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = Field(False, description="Return the chosen tokens' logprobs.")
@@ -201,7 +233,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = Field(None, description="Not supported (400 if set).")
     functions: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if set).")
     function_call: str | dict[str, Any] | None = Field(None, description="Not supported.")
-    response_format: ResponseFormat | None = Field(None, description="Only {'type': 'text'}.")
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.tools:
@@ -214,10 +245,6 @@ class ChatCompletionRequest(SamplingFields):
             return "functions", "functions are not supported."
         if self.function_call is not None:
             return "function_call", "function_call is not supported."
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", (
-                f"response_format type {self.response_format.type!r} is not supported; "
-                "only 'text' is.")
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for part in message.content:

@@ -44,6 +44,7 @@ from server.serving_common import (
     usage_chunk_for,
 )
 from server.state import ServerState
+from server.structured_outputs import structured_outputs_of
 
 
 def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoiceLogProbs:
@@ -68,14 +69,17 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
                           "invalid_value")
     num_top = body.top_logprobs or 0
+    structured_outputs = await structured_outputs_of(body)
     try:
-        params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None)
+        params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,
+                                       structured_outputs=structured_outputs)
     except Exception as exc:
         if getattr(exc, "param", None) == "logprobs":
             exc.param = "top_logprobs"  # chat's name for the number of alternatives
         raise
     _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt)
     check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
+    state.metrics.record_structured_output(structured_outputs)
 
     request_id = new_request_id("chatcmpl")
     created = int(time.time())

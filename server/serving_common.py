@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from engine.input_checks import check_prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from server.errors import APIError, bad_request, from_exception
 from server.lifecycle import ActiveRequest
 from server.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
@@ -88,6 +89,7 @@ def build_sampling_params(
     *,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; a bad value is a 400 naming its field."""
     max_logprobs = state.limits.max_logprobs
@@ -136,6 +138,7 @@ def build_sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except Exception as exc:  # SamplingParamsError -> 400 naming the field
         if body.max_completion_tokens is not None and getattr(exc, "param", "") == "max_tokens":

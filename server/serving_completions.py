@@ -39,6 +39,7 @@ from server.serving_common import (
     usage_chunk_for,
 )
 from server.state import ServerState
+from server.structured_outputs import structured_outputs_of
 
 
 def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
@@ -96,10 +97,13 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     record_user(raw_request, body)
     prompts = _prompts(state, body.prompt)
     want_logprobs = body.logprobs is not None
+    structured_outputs = await structured_outputs_of(body)
     params = build_sampling_params(
         state, body, logprobs=body.logprobs,
-        prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None)
+        prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None,
+        structured_outputs=structured_outputs)
     check_prompts(state, [ids for _, ids in prompts], params, body)
+    state.metrics.record_structured_output(structured_outputs)
 
     request_id = new_request_id("cmpl")
     created = int(time.time())

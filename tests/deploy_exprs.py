@@ -58,12 +58,17 @@ METRICS: dict[str, str] = {
     "pagedserve:iteration_tokens_total": "histogram",
     "pagedserve:step_duration_seconds": "histogram",
     "pagedserve:cache_config_info": "info",
+    "pagedserve:structured_output_requests_total": "counter",
+    "pagedserve:grammar_compile_seconds": "histogram",
 }
 # Label values the server documents for its labelled counters.
 LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("pagedserve:request_success_total", "finished_reason"): frozenset({"stop", "length", "abort"}),
     ("pagedserve:request_failure_total", "reason"): frozenset(
         {"validation", "overload", "aborted", "engine_error"}
+    ),
+    ("pagedserve:structured_output_requests_total", "kind"): frozenset(
+        {"json", "json_object", "regex", "choice", "grammar"}
     ),
 }
 # Series Prometheus itself produces for every target.
