@@ -426,6 +426,73 @@ def test_waiting_requests_never_preempt_running_ones():
     assert waiting_ids(scheduler) == ["b"]
 
 
+def test_priority_waiting_request_preempts_the_lowest_priority_running_one_for_blocks():
+    scheduler = make_scheduler(num_blocks=4, policy="priority")
+    add(scheduler, "low", 3, priority=5)
+    add(scheduler, "lowest", 3, priority=9)
+    add(scheduler, "mid", 3, priority=1)
+    step(scheduler)  # 1 block each, 1 free; 4 tokens each after sampling
+    lowest = scheduler.requests["lowest"]
+    add(scheduler, "high", 7, priority=0)  # needs 2 blocks
+    out = scheduler.schedule()
+    # The three decodes fit their blocks; high needs 2 blocks with 1 free: lowest
+    # (already scheduled this step) is unscheduled and preempted, freeing its block.
+    assert out.preempted_req_ids == {"lowest"}
+    assert out.num_scheduled_tokens == {"low": 1, "mid": 1, "high": 7}
+    assert out.total_num_scheduled_tokens == 9
+    assert running_ids(scheduler) == ["mid", "low", "high"]  # admitted by priority
+    assert waiting_ids(scheduler) == ["lowest"]
+    assert lowest.status == RequestStatus.PREEMPTED and lowest.num_computed_tokens == 0
+    manager = scheduler.kv_cache_manager
+    assert manager.block_pool.get_num_free_blocks() == 0
+    assert [len(manager.get_block_ids(r)) for r in ("low", "mid", "high")] == [1, 1, 2]
+    assert manager.get_block_ids("lowest") == []
+
+
+def test_priority_waiting_request_preempts_for_a_seat():
+    scheduler = make_scheduler(max_num_seqs=2, policy="priority")
+    add(scheduler, "low", 3, priority=9)
+    add(scheduler, "mid", 3, priority=5)
+    step(scheduler)
+    add(scheduler, "high", 3, priority=0)
+    out = scheduler.schedule()
+    assert out.preempted_req_ids == {"low"}
+    assert out.num_scheduled_tokens == {"mid": 1, "high": 3}
+    assert running_ids(scheduler) == ["mid", "high"]
+    assert waiting_ids(scheduler) == ["low"]
+
+
+def test_priority_waiting_request_never_preempts_an_equal_priority():
+    scheduler = make_scheduler(num_blocks=2, max_num_seqs=1, policy="priority")
+    add(scheduler, "first", 3, priority=1, arrival_time=1.0)
+    step(scheduler)
+    add(scheduler, "second", 3, priority=1, arrival_time=0.5)
+    out, _ = step(scheduler)
+    assert out.preempted_req_ids == set()
+    assert out.num_scheduled_tokens == {"first": 1}
+    assert waiting_ids(scheduler) == ["second"]
+
+
+def test_preempted_victims_unwritten_blocks_are_no_prefix_hits():
+    """A victim unscheduled in the step that hashed its blocks never wrote their KV."""
+    scheduler = make_scheduler(num_blocks=7, max_num_batched_tokens=16, policy="priority")
+    low = add(scheduler, "low", 24, priority=9)
+    step(scheduler)  # low: positions 0-15 written (blocks 0-3)
+    add(scheduler, "high", 7, priority=0)
+    out, _ = step(scheduler)
+    # low was given positions 16-23 (blocks 4 and 5, hashed as full); then high needs
+    # 2 blocks with 1 free: low is preempted before its chunk ran.
+    assert out.preempted_req_ids == {"low"}
+    assert out.num_scheduled_tokens == {"high": 7}
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_cached_block(low.block_hashes[4]) is None
+    assert pool.get_cached_block(low.block_hashes[5]) is None
+    # Its written prefix still serves it when it resumes: 16 tokens, not 20 or 24.
+    assert scheduler.kv_cache_manager.get_computed_blocks(low)[1] == 16
+    run_to_completion(scheduler)
+    assert_all_blocks_free(scheduler)
+
+
 def test_priority_waiting_queue_order():
     scheduler = make_scheduler(policy="priority", max_num_seqs=1)
     add(scheduler, "p5", 3, priority=5, arrival_time=1.0)

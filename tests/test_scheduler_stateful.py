@@ -256,7 +256,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         ]
         if out.preempted_req_ids:
             COVERAGE["steps_with_preemption"] += 1
-            assert admitted == [], "a waiting request was admitted in a preempting step"
+            if admitted:
+                # Only a waiting request that outranks every victim preempts (priority).
+                assert config.policy == "priority", "fcfs admitted in a preempting step"
+                victims = [scheduler.requests[r].priority for r in out.preempted_req_ids]
+                assert max(scheduler.requests[r].priority for r in admitted) < min(victims)
+                COVERAGE["admissions_that_preempted"] += 1
         for req_id in out.preempted_req_ids:
             request = scheduler.requests[req_id]
             assert request.status == RequestStatus.PREEMPTED

@@ -133,15 +133,23 @@ class KVCacheManager:
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
 
-    def free(self, request: Request, discard_cached: bool = False) -> None:
+    def free(self, request: Request, discard_cached: bool = False,
+             num_written_tokens: int | None = None) -> None:
         """Release every block of `request` (tail first); safe to call twice.
 
         `discard_cached=True` (after a failed step, whose KV may never have been
         written) also removes the blocks' hashes so no later request can hit them.
+        `num_written_tokens`: only the KV of the first that many tokens is written
+        (a request preempted after being scheduled: `allocate_slots` hashed the
+        blocks its step would fill, and that step will not run for it); blocks past
+        them lose their hashes. E.g. block_size 4, 9 tokens written: blocks 0 and 1
+        keep their hashes, blocks 2.. lose theirs.
         """
         blocks = self.req_to_blocks.pop(request.req_id, [])
         if discard_cached:
             self.block_pool.uncache_blocks(blocks)
+        elif num_written_tokens is not None:
+            self.block_pool.uncache_blocks(blocks[num_written_tokens // self.block_size:])
         self.num_cached_blocks.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 

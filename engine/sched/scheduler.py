@@ -10,6 +10,10 @@ prefilled in chunks, and decodes (one new token each) share steps with prefills.
            allocate_slots() fails?  -> preempt the lowest-priority running request
                                        (free its blocks, reset it, FRONT of waiting);
                                        admit no waiting request this step.
+           a waiting request does not fit (no seat or no KV blocks)?
+                                    -> fcfs: it waits.  priority: preempt running
+                                       requests of strictly lower priority (highest
+                                       value, latest arrival first) until it fits.
 
 Structured outputs (engine/structured_output/): a constrained request waits in
 `waiting_for_grammar` until its grammar is compiled (off the step loop), then joins
@@ -197,6 +201,8 @@ class Scheduler:
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
 
+        unscheduler = _Unscheduler(scheduled_running, num_scheduled_tokens, new_block_ids)
+
         # 1. Running requests, in order.
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -217,9 +223,7 @@ class Scheduler:
                 victim = self._pick_preemption_victim()
                 if victim in scheduled_running:
                     # Only under the priority policy: give back its tokens this step.
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.req_id)
-                    new_block_ids.pop(victim.req_id)
+                    token_budget += unscheduler.take_back(victim)
                     index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -233,14 +237,22 @@ class Scheduler:
             token_budget -= num_new_tokens
             index += 1
 
-        # 2. Waiting requests, only if nothing was preempted this step.
-        while (
-            not preempted
-            and len(self.waiting) > 0
-            and token_budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        # 2. Waiting requests, only if no running request had to be preempted above.
+        #    A request that does not fit waits (fcfs), or (priority) preempts running
+        #    requests of strictly lower priority until it fits.
+        may_admit = not preempted
+        while may_admit and len(self.waiting) > 0 and token_budget > 0:
             request = self.waiting.peek()
+            if preempted and request.priority >= min(v.priority for v in preempted):
+                break  # after preempting, only requests that outrank every victim jump in
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._lower_priority_victim(request)
+                if victim is None:
+                    break  # no seat
+                token_budget += unscheduler.take_back(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -250,7 +262,13 @@ class Scheduler:
                 request, num_new_tokens, computed_blocks, num_computed
             )
             if new_blocks is None:
-                break  # out of KV blocks: waiting requests never preempt running ones
+                victim = self._lower_priority_victim(request)
+                if victim is None:
+                    break  # out of KV blocks, and nothing it may preempt
+                token_budget += unscheduler.take_back(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                continue  # look its prefix up again: the victim's blocks may be gone
             self.waiting.pop()
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
@@ -282,9 +300,25 @@ class Scheduler:
             return victim
         return self.running.pop()
 
+    def _lower_priority_victim(self, request: Request) -> Request | None:
+        """Priority policy: the running request a waiting `request` may preempt (the
+        lowest priority, i.e. highest value, then latest arrival), taken out of
+        `running`; None if none has a strictly lower priority than `request`."""
+        if self.config.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        if victim.priority <= request.priority:
+            return None
+        self.running.remove(victim)
+        return victim
+
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free the blocks, reset progress, front of waiting."""
-        self.kv_cache_manager.free(request)
+        """Preempt by recompute: free the blocks, reset progress, front of waiting.
+
+        Runs before this step's tokens count as computed, so `num_computed_tokens`
+        is what is written; blocks hashed for this step's tokens lose their hashes.
+        """
+        self.kv_cache_manager.free(request, num_written_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -476,3 +510,22 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+class _Unscheduler:
+    """Takes a request preempted later in the same step back out of what the step
+    has scheduled so far (under the priority policy a victim may already be in it)."""
+
+    def __init__(self, scheduled_running: list[Request], num_scheduled_tokens: dict[str, int],
+                 new_block_ids: dict[str, list[int]]):
+        self.scheduled_running = scheduled_running
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.new_block_ids = new_block_ids
+
+    def take_back(self, victim: Request) -> int:
+        """Unschedule `victim` if the step scheduled it; returns the tokens freed."""
+        if victim not in self.scheduled_running:
+            return 0
+        self.scheduled_running.remove(victim)
+        self.new_block_ids.pop(victim.req_id)
+        return self.num_scheduled_tokens.pop(victim.req_id)
