@@ -44,7 +44,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism (engine.distributed). Several nodes use torchrun's meaning:
+    `nnodes` hosts, this one `node_rank` (0 runs the server), all joining the process
+    group at master_addr:master_port (None on one node: a free port)."""
+
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
 
 @dataclass(frozen=True)

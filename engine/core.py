@@ -62,9 +62,9 @@ class StepFaultInjector:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         if executor is None:
-            from engine.worker.executor import ModelExecutor
+            from engine.worker.executor import make_executor
 
-            executor = ModelExecutor(config)
+            executor = make_executor(config)
         self.config = config
         self.executor = executor
         self.kv_cache_info = executor.initialize()

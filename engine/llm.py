@@ -15,6 +15,7 @@ from engine.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     parse_size,
 )
@@ -92,6 +93,7 @@ class LLM:
         attention_backend: str = "auto",
         policy: str = "fcfs",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ):
         from transformers import AutoTokenizer
 
@@ -114,11 +116,22 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill, policy=policy,
             ),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device_config=DeviceConfig(device=device, attention_backend=attention_backend),
         )
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (with tensor_parallel_size > 1: its worker processes); idempotent."""
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     # ---------------------------------------------------------------- public API
     def generate(

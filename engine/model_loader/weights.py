@@ -81,6 +81,16 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+def iter_safetensors_slices(model_dir: str | Path) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) for every tensor: a layer reads only the rows it holds
+    (`engine.models.checkpoint_tensor.read_rows`), so a tensor-parallel rank reads
+    its shard of each tensor from disk and nothing more."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -108,7 +118,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)
-    model.load_weights(iter_safetensors(model_dir))
+    model.load_weights(iter_safetensors_slices(model_dir))
     model.eval().requires_grad_(False)
     report: QuantizationReport = quantize_model(model, quantization, model_dir, device)
     model.quantization_report = report

@@ -4,6 +4,20 @@ Every parameter is allocated with `torch.empty` (no random init: the checkpoint
 fills it) in the default dtype/device the loader sets, with requires_grad off.
 Fused layers (`MergedLinear`, `FusedExperts`) take their checkpoint pieces one
 at a time through `load_shard`, so a loader can stream tensors.
+
+Tensor parallelism (engine.distributed) sits behind the same names: each layer reads
+the group at construction and holds only its rank's shard, which `load_shard` reads
+from the checkpoint (rows or columns; see engine.distributed.sharding):
+
+    Linear         replicated: every rank holds all of it (a MoE router)
+    MergedLinear   column-parallel: each rank its rows of every merged piece (qkv, gate_up)
+    RowParallelLinear  each rank its input columns; the partial outputs are all-reduced
+    VocabEmbedding     each rank its vocabulary rows; lookups outside them are 0, all-reduced
+    LMHead         each rank its vocabulary rows; logits all-gathered, padding cut off
+
+With one rank every layer is the plain dense one. Quantization composes: a layer
+quantizes whatever shard it holds (`Linear.quantize`), so an int4 column-parallel
+linear is an int4 linear over its rank's rows.
 """
 
 from __future__ import annotations
@@ -12,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.sharding import RowRange, even_range, padded_range
+from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
 from engine.models.quant import QuantizedWeight, QuantSpec, can_quantize, quantize
 from kernels.cpu_kernels import fused_ops_for
 
@@ -20,11 +37,12 @@ def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
-    """dst.copy_(src) (casting dtype/device), after checking the shapes agree."""
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> int:
+    """dst.copy_(src) (casting dtype/device), after checking the shapes agree; dst.numel()."""
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
     dst.copy_(src)
+    return dst.numel()
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +99,12 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and self.quantized.serves(x.shape[0]):
-            return self.quantized.matmul(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self.quantized.matmul(x, bias)
+        return F.linear(x, self.weight, bias)
 
     def quantize(self, spec: QuantSpec, max_rows: int | None = None) -> bool:
         """Quantize the loaded weight in place; False (and unchanged) if the shape does not suit."""
@@ -100,32 +121,132 @@ class MergedLinear(Linear):
 
     output_sizes [q, k, v] -> weight rows [0, q) | [q, q+k) | [q+k, q+k+v).
     The checkpoint's pieces arrive one at a time as shard 0, 1, 2, ...
+
+    Column-parallel: with several ranks each piece is cut to this rank's
+    `row_ranges[i]` of its checkpoint rows (default: an even share), so the local
+    weight stacks the rank's rows of each piece. Example, gate_up [I=128, I=128]
+    over 2 ranks: rank 1 holds gate rows [64, 128) then up rows [64, 128), and
+    its `output_sizes` are [64, 64].
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 row_ranges: list[RowRange] | None = None):
+        tp = get_tp_group()
+        if row_ranges is None:
+            row_ranges = [even_range(n, tp.rank, tp.size, "merged linear's output size")
+                          for n in output_sizes]
+        local_sizes = [r.size for r in row_ranges]
+        super().__init__(in_features, sum(local_sizes), bias)
+        self.row_ranges = list(row_ranges)
+        self.output_sizes = local_sizes
+        self.offsets = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
 
-    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: int) -> None:
+    def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: int | None) -> int:
         param = getattr(self, param_name)
+        if shard is None:  # an already-merged checkpoint tensor: one rank only
+            if get_tp_group().size > 1:
+                raise ValueError(f"a merged checkpoint tensor ({param_name}) cannot be "
+                                 "sharded; save q/k/v and gate/up separately")
+            return copy_checked(param, read_rows(tensor), param_name)
         rows = param.narrow(0, self.offsets[shard], self.output_sizes[shard])
-        copy_checked(rows, tensor, f"{param_name} shard {shard}")
+        return copy_checked(rows, read_rows(tensor, 0, self.row_ranges[shard]),
+                            f"{param_name} shard {shard}")
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The outputs of each merged linear, as views of one matmul's result."""
         return self(x).split(self.output_sizes, dim=-1)
 
 
+class RowParallelLinear(Linear):
+    """y = x @ W.T + b where each rank holds input columns `col_range` of W and gets the
+    matching slice of x; the partial products are summed over the ranks (one
+    all-reduce) and the bias added once, after the sum.
+
+    Example, o_proj [H=64, 64] over 2 ranks: rank 1 holds W[:, 32:64] and multiplies
+    the outputs of its own attention heads (columns 32-63 of the full attention output).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 col_range: RowRange | None = None):
+        tp = get_tp_group()
+        if col_range is None:
+            col_range = even_range(in_features, tp.rank, tp.size, "row-parallel input size")
+        super().__init__(col_range.size, out_features, bias)
+        self.col_range = col_range
+
+    def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: None) -> int:
+        if param_name == "bias":
+            return copy_checked(self.bias, read_rows(tensor), "bias")
+        return copy_checked(self.weight, read_rows(tensor, 1, self.col_range), param_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tp = get_tp_group()
+        if tp.size == 1:
+            return self._matmul(x, self.bias)
+        out = tp.all_reduce(self._matmul(x, None))
+        return out if self.bias is None else out + self.bias
+
+
+def _load_vocab_rows(param: torch.Tensor, tensor: CheckpointTensor, rows: RowRange,
+                     what: str) -> int:
+    """Copy vocabulary `rows` into the first rows of `param`, zero its padding rows."""
+    copy_checked(param.narrow(0, 0, rows.size), read_rows(tensor, 0, rows), what)
+    param[rows.size:].zero_()
+    return param.numel()
+
+
 class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab_size, hidden_size]; doubles as a tied lm_head."""
+    """Token embedding table [vocab_size, hidden_size]; doubles as a tied lm_head.
+
+    Vocab-parallel: each rank holds its `vocab_rows` (padded to equal shards, see
+    `padded_range`); a token outside them looks up zeros and the all-reduce fills it in.
+    Example, vocab 10 over 3 ranks: rank 1 holds tokens 4-7, so token 9 -> zeros on
+    rank 1, its row on rank 2.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = empty_param(vocab_size, hidden_size)
+        tp = get_tp_group()
+        self.vocab_rows, shard = padded_range(vocab_size, tp.rank, tp.size)
+        self.weight = empty_param(shard, hidden_size)
+
+    def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: None) -> int:
+        return _load_vocab_rows(self.weight, tensor, self.vocab_rows, "embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        tp = get_tp_group()
+        if tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_rows.start
+        outside = (local_ids < 0) | (local_ids >= self.vocab_rows.size)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp.all_reduce(out)
+
+
+class LMHead(Linear):
+    """hidden [N, H] -> logits [N, vocab_size]: vocabulary rows split over the ranks.
+
+    Each rank computes the logits of its (padded) vocabulary shard; they are
+    all-gathered in rank order and the padding columns cut off. Tied: `weight` is the
+    VocabEmbedding's parameter, whose shard is the same rows.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, weight: nn.Parameter | None = None):
+        tp = get_tp_group()
+        self.vocab_rows, shard = padded_range(vocab_size, tp.rank, tp.size)
+        super().__init__(hidden_size, shard, bias=False, weight=weight)
+        self.vocab_size = vocab_size
+
+    def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: None) -> int:
+        return _load_vocab_rows(self.weight, tensor, self.vocab_rows, "lm_head")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self._matmul(x, None)
+        tp = get_tp_group()
+        if tp.size == 1:
+            return logits
+        return tp.all_gather(logits)[:, : self.vocab_size]
 
 
 class SiluAndMul(nn.Module):
@@ -154,7 +275,7 @@ class GatedMLP(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"unsupported MLP activation {hidden_act!r} (only 'silu')")
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

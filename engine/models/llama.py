@@ -24,7 +24,16 @@ import torch
 from torch import nn
 
 from engine.attention import Attention
-from engine.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, VocabEmbedding
+from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.sharding import shard_heads
+from engine.models.layers import (
+    GatedMLP,
+    LMHead,
+    MergedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabEmbedding,
+)
 from engine.models.rotary import RotaryEmbedding, apply_rotary_qk
 from engine.models.weight_utils import load_named_weights
 
@@ -36,17 +45,27 @@ def head_size_of(config: Any) -> int:
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention: fused qkv, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention."""
+    """Self-attention: fused qkv, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention.
+
+    Tensor-parallel: each rank computes its own query heads and the KV heads they read
+    (`shard_heads`); `num_heads` / `num_kv_heads` are this rank's, and o_proj sums the
+    ranks' partial outputs.
+    """
 
     def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        tp = get_tp_group()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_size = head_size_of(config)
-        q_size = self.num_heads * self.head_size
-        kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        heads = shard_heads(total_heads, total_kv_heads, self.head_size, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        q_size = total_heads * self.head_size
+        kv_size = total_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
+                                     row_ranges=[heads.q_rows, heads.kv_rows, heads.kv_rows])
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias,
+                                        col_range=heads.q_rows)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
@@ -129,7 +148,7 @@ class DecoderForCausalLM(nn.Module):
         # A tied lm_head is a Linear over the embedding's own parameter (one tensor in
         # memory), so it can be quantized like any other linear.
         tied = self.model.embed_tokens.weight if self.tie_word_embeddings else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, weight=tied)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, weight=tied)
 
     def make_attention(self, config: Any, layer_idx: int) -> DecoderAttention:
         bias = bool(getattr(config, "attention_bias", False))

@@ -2,6 +2,10 @@
 
 Tokens are grouped by expert and each expert that received any runs one
 batched gated MLP over its tokens: a loop over experts, never over tokens.
+
+Tensor-parallel: every rank holds every expert, each with its share of the
+intermediate columns (like a GatedMLP's gate_up / down), and the block's output is
+summed over the ranks (one all-reduce). The router is replicated.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.sharding import RowRange, even_range
+from engine.models.checkpoint_tensor import CheckpointTensor, read_rows, shape_of
 from engine.models.layers import Linear, copy_checked, empty_param
 
 
@@ -19,23 +26,39 @@ class FusedExperts(nn.Module):
     Checkpoints store either these stacked tensors (loaded whole) or one
     tensor per expert and projection, loaded as shard (expert, part) with part
     0 = gate, 1 = up (gate_up_proj) and 0 (down_proj).
+
+    With several ranks I is this rank's share `cols` of the intermediate size.
+    Example, I = 32 over 2 ranks, rank 1 (cols [16, 32)): gate_up_proj[e] holds
+    checkpoint gate rows 16-31 then up rows 16-31; down_proj[e] columns 16-31.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
+        tp = get_tp_group()
+        self.cols = even_range(intermediate_size, tp.rank, tp.size, "MoE intermediate size")
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = empty_param(num_experts, 2 * intermediate_size, hidden_size)
-        self.down_proj = empty_param(num_experts, hidden_size, intermediate_size)
+        self.intermediate_size = self.cols.size
+        self.gate_up_proj = empty_param(num_experts, 2 * self.cols.size, hidden_size)
+        self.down_proj = empty_param(num_experts, hidden_size, self.cols.size)
 
-    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: tuple[int, int]) -> None:
+    def load_shard(self, param_name: str, tensor: CheckpointTensor,
+                   shard: tuple[int, int] | None) -> int:
+        size, cols = self.intermediate_size, self.cols
+        if shard is None:  # stacked [E, 2I, H] (gate rows, then up rows) / [E, H, I]
+            if param_name == "down_proj":
+                return copy_checked(self.down_proj, read_rows(tensor, 2, cols), param_name)
+            total = shape_of(tensor)[1] // 2
+            for part in (0, 1):
+                rows = RowRange(part * total + cols.start, cols.size)
+                copy_checked(self.gate_up_proj[:, part * size : (part + 1) * size],
+                             read_rows(tensor, 1, rows), param_name)
+            return self.gate_up_proj.numel()
         expert, part = shard
         if param_name == "gate_up_proj":
-            size = self.intermediate_size
             dst = self.gate_up_proj[expert, part * size : (part + 1) * size]
-        else:
-            dst = self.down_proj[expert]
-        copy_checked(dst, tensor, f"expert {expert} {param_name}")
+            return copy_checked(dst, read_rows(tensor, 0, cols), f"expert {expert} {param_name}")
+        return copy_checked(self.down_proj[expert], read_rows(tensor, 1, cols),
+                            f"expert {expert} {param_name}")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """x [T, H], topk_ids/topk_weights [T, k] -> sum_j w[t, j] * expert_{ids[t, j]}(x[t]).
@@ -85,4 +108,4 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, topk_ids, topk_weights.to(x.dtype))
+        return get_tp_group().all_reduce(self.experts(x, topk_ids, topk_weights.to(x.dtype)))

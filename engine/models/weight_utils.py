@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
 from engine.models.layers import copy_checked
 
 # (checkpoint part, our fused part, shard index)
@@ -45,11 +46,13 @@ def map_weight_name(name: str) -> tuple[str, int | tuple[int, int] | None]:
 
 
 def load_named_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip_lm_head: bool = False
+    model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor]], skip_lm_head: bool = False
 ) -> None:
     """Copy each (name, tensor) into `model`, then check every parameter got filled.
 
-    Modules holding fused parameters implement `load_shard(param_name, tensor, shard)`.
+    Modules holding fused or tensor-parallel parameters implement
+    `load_shard(param_name, tensor, shard) -> elements filled`; they read only their
+    rank's part of a lazily read (safetensors slice) tensor. Others get the whole tensor.
     """
     params = dict(model.named_parameters())
     filled: dict[str, int] = defaultdict(int)
@@ -63,12 +66,14 @@ def load_named_weights(
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(model).__name__} (looked for {target!r})")
-            if shard is None:
-                copy_checked(params[target], tensor, name)
+            module_name, _, leaf = target.rpartition(".")
+            loader = getattr(model.get_submodule(module_name), "load_shard", None)
+            if loader is not None:
+                filled[target] += loader(leaf, tensor, shard)
+            elif shard is None:
+                filled[target] += copy_checked(params[target], read_rows(tensor), name)
             else:
-                module_name, _, leaf = target.rpartition(".")
-                model.get_submodule(module_name).load_shard(leaf, tensor, shard)
-            filled[target] += tensor.numel()
+                raise ValueError(f"checkpoint tensor {name!r}: {module_name} takes no shards")
     missing = [n for n, p in params.items() if filled[n] < p.numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -1,8 +1,14 @@
-"""ModelExecutor: loads the model, sizes the KV cache, runs steps (one device)."""
+"""Executors: load the model, size the KV cache, run steps.
+
+`Worker` is one rank's part (model runner + KV cache). `ModelExecutor` runs one
+Worker in the engine core's process; `engine.distributed.multiproc_executor` runs
+one per tensor-parallel rank in worker processes. `make_executor` picks.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -40,23 +46,50 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     return requested
 
 
-class ModelExecutor:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.runner: ModelRunner | None = None
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a worker sits: tensor-parallel `rank` of `size`; `local_rank` among the
+    `local_size` ranks of its node (its CUDA device; its share of the CPU's KV budget)."""
 
-    def initialize(self) -> KVCacheInfo:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+
+class Worker:
+    """One rank's model runner and KV cache; the one-process executor holds one, the
+    multiprocess executor one per worker process.
+
+        load()                 -> KV blocks this rank's budget holds (after profiling)
+        init_kv_cache(blocks)  allocate them (every rank the same count: the minimum)
+        execute_model(output)  one step
+    """
+
+    def __init__(self, config: EngineConfig, rank: RankInfo = RankInfo()):
+        self.config = config
+        self.rank = rank
+        self.runner: ModelRunner | None = None
+        self.device: torch.device | None = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+
+    def load(self) -> int:
         from transformers import AutoConfig
 
         from engine.model_loader import load_model, resolve_dtype, resolve_model
 
-        config = self.config
+        config, rank = self.config, self.rank
         device = resolve_device(config.device_config.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", rank.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
         torch.manual_seed(config.model_config.seed)
         model_dir = resolve_model(config.model_config.model).path
         hf_config = AutoConfig.from_pretrained(model_dir)
         dtype = resolve_dtype(hf_config, config.model_config.dtype, device)
-        if device.type == "cpu":
+        if device.type == "cpu" and rank.rank == 0:
             from engine import cpu_info
             from engine.model_loader.weights import auto_cpu_dtype
 
@@ -69,15 +102,20 @@ class ModelExecutor:
 
             cpu_kernels()  # build (once per CPU) or load them now, not on the first request
         model = load_model(model_dir, dtype, device, config.model_config.quantization)
-        max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
+        self.max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
+        self.vocab_size = hf_config.vocab_size
         block_size = config.cache_config.block_size
-        backend = select_attention_backend(config.device_config.attention_backend, device,
-                                           block_size)
+        self.backend = select_attention_backend(config.device_config.attention_backend, device,
+                                                block_size)
         sched = config.scheduler_config
         self.runner = ModelRunner(
-            model, backend, device, max_num_reqs=sched.max_num_seqs, max_model_len=max_model_len,
-            block_size=block_size, vocab_size=hf_config.vocab_size,
+            model, self.backend, device, max_num_reqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=block_size, vocab_size=self.vocab_size,
         )
+        if rank.size > 1:
+            from engine.distributed.sampling import FirstRankSampler
+
+            self.runner.sampler = FirstRankSampler(self.runner.sampler)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # CUDA sizes the KV cache from the peak memory of a full-budget forward pass.
@@ -87,35 +125,85 @@ class ModelExecutor:
         if device.type != "cuda":
             num_profile_tokens = min(num_profile_tokens, CPU_PROFILE_TOKENS)
         self.runner.profile_run(num_profile_tokens)
-        specs = kv_cache_init.get_kv_cache_specs(self.runner.attention_layers, dtype, block_size)
-        if config.cache_config.num_gpu_blocks_override is not None:
-            num_blocks = config.cache_config.num_gpu_blocks_override
-        else:
-            available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
-            num_blocks = kv_cache_init.num_blocks_for(specs, available)
-            blocks_per_request = cdiv(max_model_len, block_size)
-            if num_blocks < blocks_per_request:
-                raise ValueError(
-                    f"the KV cache fits {num_blocks * block_size} tokens, fewer than one "
-                    f"request of max_model_len={max_model_len}: give it more memory "
-                    "(--kv-cache-memory on CPU, --gpu-memory-utilization on GPU) or lower "
-                    "--max-model-len"
-                )
+        self.specs = kv_cache_init.get_kv_cache_specs(self.runner.attention_layers, dtype,
+                                                      block_size)
+        self.dtype = dtype
+        available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
+        if device.type == "cpu":
+            available //= rank.local_size  # the CPU budget is the node's, shared by its ranks
+        return kv_cache_init.num_blocks_for(self.specs, available)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None, "load() first"
+        block_size = self.config.cache_config.block_size
         self.runner.bind_kv_caches(kv_cache_init.allocate_kv_caches(
-            specs, num_blocks, device, backend.kv_cache_shape))
-        num_tokens = num_blocks * block_size
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s, %s backend); "
-            "maximum concurrency at max_model_len=%d: %.2fx",
-            num_blocks, block_size, num_tokens,
-            num_blocks * sum(s.block_bytes for s in specs) / 2**20, dtype, backend.name,
-            max_model_len, num_tokens / max_model_len,
-        )
-        return KVCacheInfo(num_blocks, block_size, max_model_len, hf_config.vocab_size)
+            self.specs, num_blocks, self.device, self.backend.kv_cache_shape))
+        if self.rank.rank == 0:
+            num_tokens = num_blocks * block_size
+            logger.info(
+                "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s, %s, %s backend); "
+                "maximum concurrency at max_model_len=%d: %.2fx",
+                num_blocks, block_size, num_tokens,
+                num_blocks * sum(s.block_bytes for s in self.specs) / 2**20,
+                f" on each of {self.rank.size} ranks" if self.rank.size > 1 else "",
+                self.dtype, self.backend.name, self.max_model_len,
+                num_tokens / self.max_model_len,
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.runner is not None, "initialize() first"
+        assert self.runner is not None, "load() first"
         return self.runner.execute_model(scheduler_output)
 
+
+def choose_num_blocks(config: EngineConfig, fits: list[int], max_model_len: int) -> int:
+    """The KV block count every rank allocates: the override, else the smallest that
+    fits (ranks may differ: another process on one GPU); ValueError if one request
+    of max_model_len would not fit."""
+    if config.cache_config.num_gpu_blocks_override is not None:
+        return config.cache_config.num_gpu_blocks_override
+    num_blocks = min(fits)
+    block_size = config.cache_config.block_size
+    if num_blocks < cdiv(max_model_len, block_size):
+        raise ValueError(
+            f"the KV cache fits {num_blocks * block_size} tokens, fewer than one "
+            f"request of max_model_len={max_model_len}: give it more memory "
+            "(--kv-cache-memory on CPU, --gpu-memory-utilization on GPU) or lower "
+            "--max-model-len"
+        )
+    return num_blocks
+
+
+class ModelExecutor:
+    """The one-process executor: a Worker in the engine core's own process."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.worker: Worker | None = Worker(config)
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        return None if self.worker is None else self.worker.runner
+
+    def initialize(self) -> KVCacheInfo:
+        worker = self.worker
+        fits = worker.load()
+        num_blocks = choose_num_blocks(self.config, [fits], worker.max_model_len)
+        worker.init_kv_cache(num_blocks)
+        return KVCacheInfo(num_blocks, self.config.cache_config.block_size,
+                           worker.max_model_len, worker.vocab_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.worker is not None, "initialize() first"
+        return self.worker.execute_model(scheduler_output)
+
     def shutdown(self) -> None:
-        self.runner = None
+        self.worker = None
+
+
+def make_executor(config: EngineConfig):
+    """The executor for `config`: one process, or one worker process per TP rank."""
+    if config.parallel_config.tensor_parallel_size > 1:
+        from engine.distributed.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    return ModelExecutor(config)
