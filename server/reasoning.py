@@ -1,0 +1,85 @@
+"""Reasoning parsers: split a thinking model's output into reasoning and content.
+
+`--reasoning-parser qwen3`: text between `<think>` and `</think>` is the reasoning
+(`message.reasoning_content`, `delta.reasoning_content`), the rest is the content.
+An output that does not open with `<think>` is all content (Qwen3 with
+`enable_thinking: false`: the template already closed an empty think block). A think
+block the output never closes (cut by max_tokens) is all reasoning.
+
+Like the tool parsers, a state machine fed the text deltas: `feed(delta) ->
+(reasoning, content)`, then `finish()`; the whole text goes through the same machine,
+so streamed pieces always add up to the non-streamed message. A piece of text that may
+be the start of a tag is held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("qwen3",)
+
+
+class ThinkTagReasoningStream:
+    START, END = "<think>", "</think>"
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.state = "start"  # start -> (reasoning ->) content
+        self.strip_newlines = False  # drop the newlines that follow a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buffer += text
+        reasoning = content = ""
+        if self.state == "start":
+            head = self.buffer.lstrip()
+            if head.startswith(self.START):
+                self.buffer = head[len(self.START):]
+                self.state, self.strip_newlines = "reasoning", True
+            elif self.START.startswith(head):
+                return "", ""  # empty so far, or maybe the tag arriving
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            self._strip()
+            at = self.buffer.find(self.END)
+            if at < 0:
+                keep = partial_suffix(self.buffer, self.END)
+                reasoning = self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return reasoning, ""
+            reasoning = self.buffer[:at]
+            self.buffer = self.buffer[at + len(self.END):]
+            self.state, self.strip_newlines = "content", True
+        if self.state == "content":
+            self._strip()
+            content, self.buffer = self.buffer, ""
+        return reasoning, content
+
+    def _strip(self) -> None:
+        if self.strip_newlines:
+            self.buffer = self.buffer.lstrip("\n")
+            self.strip_newlines = not self.buffer
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        if self.state == "reasoning":
+            return rest, ""
+        return "", rest
+
+    def parse_all(self, text: str) -> tuple[str, str]:
+        reasoning, content = self.feed(text)
+        more_reasoning, more_content = self.finish()
+        return reasoning + more_reasoning, content + more_content
+
+
+def make_reasoning_stream(name: str) -> ThinkTagReasoningStream:
+    if name == "qwen3":
+        return ThinkTagReasoningStream()
+    raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (to hold back: it may be
+    the tag, still arriving). Example: partial_suffix("ab</th", "</think>") -> 4."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,319 @@
+"""Tool calls out of generated text, streamed or whole: one parser per output format.
+
+Every parser is a small state machine fed the output's text deltas in order:
+`feed(delta) -> (content, [ToolCallDelta])` and, at the end, `finish()`. A whole
+(non-streamed) output goes through the same machine (`parse_all`), so the streamed
+fragments always add up to the non-streamed message.
+
+    NamedToolStream     tool_choice {"function": {"name"}}: the grammar makes the whole
+                        output the arguments object; fragments pass straight through
+    RequiredToolStream  tool_choice "required": the grammar makes the output
+                        [{"name": "f", "parameters": {...}}, ...] in a fixed layout
+    HermesToolStream    "auto", Qwen2/Qwen3 (--tool-call-parser hermes): content, then
+                        <tool_call>{"name": "f", "arguments": {...}}</tool_call> blocks
+    Llama3JsonToolStream  "auto", Llama 3 (llama3_json): the output is
+                        {"name": "f", "parameters": {...}} (several joined by ';'),
+                        optionally after <|python_tag|>; anything else is content
+
+Arguments are always JSON text as the model wrote it (OpenAI's `arguments` string).
+A call's first delta carries its `id` and `name`; later ones only argument fragments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from server.reasoning import partial_suffix
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# Parser used for "auto" by model family (config.json model_type).
+_FAMILY_PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+                   "qwen2_moe": "hermes", "llama": "llama3_json"}
+
+
+def parser_for_model_type(model_type: str | None) -> str | None:
+    return _FAMILY_PARSERS.get(model_type or "")
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ToolCall:
+    """A whole call, reassembled from its deltas."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Reassemble calls the way the OpenAI SDK does: by index, arguments appended."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, ToolCall(id=delta.id or "", name=delta.name or ""))
+        call.arguments += delta.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+class ToolStream:
+    """Base: `feed` and `finish` return (content text, tool call deltas)."""
+
+    num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return "", []
+
+    def parse_all(self, text: str) -> tuple[str, list[ToolCall]]:
+        content, deltas = self.feed(text)
+        tail, more = self.finish()
+        return content + tail, merge_deltas(deltas + more)
+
+
+class NamedToolStream(ToolStream):
+    """The whole output is the arguments of the one named function."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.num_calls == 0:
+            self.num_calls = 1
+            return "", [ToolCallDelta(0, new_tool_call_id(), self.name, text)]
+        return "", [ToolCallDelta(0, arguments=text)] if text else []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return self.feed("") if self.num_calls == 0 else ("", [])
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON value starting at `text[start]`; None while incomplete.
+
+    Example: json_value_end('{"a": [1, "}"]}, x', 0) -> 15
+    """
+    if start >= len(text):
+        return None
+    first = text[start]
+    if first == '"':
+        i = start + 1
+        while i < len(text):
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text[i] == '"':
+                return i + 1
+            i += 1
+        return None
+    if first not in "[{":
+        match = re.compile(r"[^,}\]\s]*").match(text, start)
+        end = match.end()
+        return end if end < len(text) else None  # a number may still grow
+    depth, i, in_string = 0, start, False
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+_REQUIRED_CALL = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                            r'"parameters"\s*:\s*(?=[\[{"0-9tfn-])')
+
+
+class RequiredToolStream(ToolStream):
+    """Output constrained to [{"name": ..., "parameters": {...}}, ...]: stream each call's
+    name once, then its parameters' text as it grows."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # where the next call's header may start
+        self.args_start: int | None = None  # the current call's parameters start here
+        self.sent = 0  # characters of the current call's parameters already sent
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.text += text
+        deltas: list[ToolCallDelta] = []
+        while True:
+            if self.args_start is None:
+                match = _REQUIRED_CALL.match(self.text, self.pos)
+                if match is None:
+                    return "", deltas
+                self.args_start = match.end()
+                self.sent = 0
+                deltas.append(ToolCallDelta(self.num_calls, new_tool_call_id(),
+                                            json.loads(f'"{match.group(1)}"')))
+                self.num_calls += 1
+            end = json_value_end(self.text, self.args_start)
+            stop = end if end is not None else len(self.text)
+            fragment = self.text[self.args_start + self.sent:stop]
+            if fragment:
+                self.sent += len(fragment)
+                deltas.append(ToolCallDelta(self.num_calls - 1, arguments=fragment))
+            if end is None:
+                return "", deltas
+            close = self.text.find("}", end)  # the call object's own closing brace
+            if close < 0:
+                return "", deltas  # next time: same end, nothing new to send
+            self.pos, self.args_start = close + 1, None
+
+
+class HermesToolStream(ToolStream):
+    """Content, then <tool_call> JSON </tool_call> blocks (Qwen2/Qwen3 templates)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.buffer = ""
+        self.in_calls = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.buffer += text
+        if not self.in_calls:
+            at = self.buffer.find(self.START)
+            if at < 0:
+                keep = partial_suffix(self.buffer, self.START)
+                content, self.buffer = self.buffer[:len(self.buffer) - keep], \
+                    self.buffer[len(self.buffer) - keep:]
+                return content, []
+            content, self.buffer = self.buffer[:at], self.buffer[at:]
+            self.in_calls = True
+            _, deltas = self._calls(final=False)
+            return content, deltas
+        return "", self._calls(final=False)[1]
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if not self.in_calls:
+            content, self.buffer = self.buffer, ""
+            return content, []
+        return self._calls(final=True)
+
+    def _calls(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        deltas = []
+        while self.buffer.startswith(self.START) or (
+                self.buffer.strip().startswith(self.START)):
+            body_start = self.buffer.index(self.START) + len(self.START)
+            end = self.buffer.find(self.END, body_start)
+            if end < 0 and not final:
+                break
+            body = self.buffer[body_start:end if end >= 0 else len(self.buffer)]
+            self.buffer = self.buffer[end + len(self.END):] if end >= 0 else ""
+            call = _parse_call(body, "arguments")
+            if call is not None and (self.parallel or self.num_calls == 0):
+                deltas.append(ToolCallDelta(self.num_calls, new_tool_call_id(), *call))
+                self.num_calls += 1
+        return "", deltas
+
+
+class Llama3JsonToolStream(ToolStream):
+    """A whole output of JSON call objects ({"name", "parameters"}; ';'-separated)."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.buffer = ""
+        self.mode: str | None = None  # None: undecided, "content", "calls"
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.mode == "content":
+            return text, []
+        self.buffer += text
+        head = self.buffer.lstrip()
+        if not head:
+            return "", []
+        if head.startswith("{") or head.startswith(self.PYTHON_TAG):
+            self.mode = "calls"  # decided at the end, when the whole JSON is there
+            return "", []
+        if self.PYTHON_TAG.startswith(head):
+            return "", []  # maybe the tag, still arriving
+        self.mode = "content"
+        content, self.buffer = self.buffer, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        text, self.buffer = self.buffer, ""
+        if self.mode != "calls":
+            return text, []
+        body = text.strip().removeprefix(self.PYTHON_TAG)
+        calls = []
+        for part in _split_json_objects(body):
+            call = _parse_call(part, "parameters", "arguments")
+            if call is None:
+                return text, []  # not tool calls after all: it was content
+            calls.append(call)
+        if not calls:
+            return text, []
+        if not self.parallel:
+            calls = calls[:1]
+        deltas = [ToolCallDelta(i, new_tool_call_id(), *call) for i, call in enumerate(calls)]
+        self.num_calls = len(deltas)
+        return "", deltas
+
+
+def make_auto_stream(parser: str, parallel: bool) -> ToolStream:
+    if parser == "hermes":
+        return HermesToolStream(parallel)
+    if parser == "llama3_json":
+        return Llama3JsonToolStream(parallel)
+    raise ValueError(f"unknown tool-call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
+
+
+def _parse_call(body: str, *argument_keys: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of one call object, or None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    for key in argument_keys:
+        if key in obj:
+            args = obj[key]
+            return obj["name"], args if isinstance(args, str) else json.dumps(
+                args, ensure_ascii=False)
+    return obj["name"], "{}"
+
+
+def _split_json_objects(text: str) -> list[str]:
+    """'{...}; {...}' -> ['{...}', '{...}']; a piece that is not JSON stays whole."""
+    parts, pos = [], 0
+    while pos < len(text):
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos >= len(text):
+            break
+        end = json_value_end(text, pos) if text[pos] == "{" else None
+        if end is None:
+            parts.append(text[pos:])
+            break
+        parts.append(text[pos:end])
+        pos = end
+    return parts
