@@ -21,6 +21,7 @@ class ModelConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 (engine.model_loader.quantize)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
 
 
 @dataclass(frozen=True)

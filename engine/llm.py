@@ -93,6 +93,7 @@ class LLM:
         attention_backend: str = "auto",
         policy: str = "fcfs",
         seed: int = 0,
+        enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
     ):
         from transformers import AutoTokenizer
@@ -104,7 +105,8 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.path)
         config = EngineConfig(
             model_config=ModelConfig(model=resolved.path, dtype=dtype, quantization=quantization,
-                                     max_model_len=max_model_len, seed=seed),
+                                     max_model_len=max_model_len, seed=seed,
+                                     enforce_eager=enforce_eager),
             cache_config=CacheConfig(
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

@@ -175,8 +175,16 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "'shared' (the core computes on all of them) or 'split' (the first CPU is kept for "
          "the frontend, the core is pinned to the others, as vLLM does).",
          choices=["shared", "split"], default="shared")
-    flag("--attention-backend", "Attention implementation.",
+    flag("--attention-backend", "Attention implementation: 'auto' is torch on CPU and, on "
+         "CUDA, triton (any power-of-two --block-size from 16) or flash_attn where it is "
+         "installed and --block-size is a multiple of 256.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        default=_env_bool(env_name("--enforce-eager"), False),
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at "
+             "start-up for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs. "
+             "[env: PAGEDSERVE_ENFORCE_EAGER=1|0]")
     flag("--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
          "comma-separated list (e.g. '[\"*\"]'). Default: none (no CORS headers).",
          type=_origins)
@@ -240,7 +248,8 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
         model_config=ModelConfig(
             model=model_dir, served_model_name=served_model_name, dtype=args.dtype,
             quantization=args.quantization,
-            max_model_len=args.max_model_len, seed=args.seed),
+            max_model_len=args.max_model_len, seed=args.seed,
+            enforce_eager=args.enforce_eager),
         cache_config=CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_memory_bytes=args.kv_cache_memory,

@@ -19,6 +19,7 @@ from engine.kv_cache.manager import cdiv
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker import kv_cache_init
+from engine.worker.cuda_graphs import DecodeGraphConfig
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class Worker:
         self.runner = ModelRunner(
             model, self.backend, device, max_num_reqs=sched.max_num_seqs,
             max_model_len=self.max_model_len, block_size=block_size, vocab_size=self.vocab_size,
+            decode_graphs=DecodeGraphConfig.for_device(
+                device, config.model_config.enforce_eager, sched.max_num_seqs),
         )
         if rank.size > 1:
             from engine.distributed.sampling import FirstRankSampler

@@ -2,9 +2,14 @@
 
     1. collect each attention layer's spec (KV heads, head size, dtype, block size)
     2. measure the memory left for KV after the weights and a profiling forward pass
-    3. num_blocks = available_bytes // bytes of one block across all layers
+    3. num_blocks = available_bytes // bytes of one block across all layers, less
+       the padding block
     4. allocate each layer's tensor once, in the attention backend's layout
-       (e.g. [2, num_blocks, block_size, kv_heads, head_size])
+       (e.g. [2, num_blocks + 1, block_size, kv_heads, head_size])
+
+Block ids 0 .. num_blocks - 1 belong to the block pool; block id `num_blocks`, the
+padding block, is never handed out: the padded rows of a CUDA-graph decode step
+write their K/V there (engine/worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -66,21 +71,29 @@ def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) ->
     return min(int(cpu_available_memory_bytes() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP_BYTES)
 
 
+# Blocks allocated past the pool's: the padding block.
+NUM_PADDING_BLOCKS = 1
+
+
 def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int) -> int:
-    return max(0, available_bytes // sum(spec.block_bytes for spec in specs))
+    """Blocks the pool may hand out, once the padding block is set aside."""
+    total = available_bytes // sum(spec.block_bytes for spec in specs)
+    return max(0, total - NUM_PADDING_BLOCKS)
 
 
 def allocate_kv_caches(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device,
     shape_of: Callable[[int, int, int, int], tuple[int, ...]],
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN).
+    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN), of
+    `num_blocks` pool blocks plus the padding block, whose id is `num_blocks`.
 
     `shape_of(num_blocks, block_size, num_kv_heads, head_size)` is the attention
     backend's `kv_cache_shape`: the layout is the backend's choice.
     """
     return [
-        torch.zeros(shape_of(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size),
+        torch.zeros(shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
+                             spec.num_kv_heads, spec.head_size),
                     dtype=spec.dtype, device=device)
         for spec in specs
     ]

@@ -3,7 +3,8 @@
     execute_model(scheduler_output)
       _update_states   apply the scheduler's diff to the persistent batch
       _prepare_inputs  build input_ids / positions / attention metadata (numpy)
-      forward          model(input_ids, positions) under the forward context
+      forward          model(input_ids, positions) under the forward context; a pure
+                       decode step replays a CUDA graph instead (worker/cuda_graphs.py)
       sample           logits of each request's last token -> sampler
 """
 
@@ -23,6 +24,7 @@ from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
 from engine.sched.output import GrammarBitmask, SchedulerOutput
+from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -50,6 +52,7 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         vocab_size: int,
+        decode_graphs: DecodeGraphConfig | None = None,  # None: every step eager
     ):
         self.model = model
         self.backend = backend
@@ -64,14 +67,30 @@ class ModelRunner:
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs = (
+            DecodeGraphRunner(decode_graphs, model, backend, device, max_model_len, block_size,
+                              self.max_num_blocks_per_req)
+            if decode_graphs is not None and decode_graphs.enabled else None
+        )
 
     # ---------------------------------------------------------------- KV cache
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give each attention layer its cache tensor, once, in model order."""
+        """Give each attention layer its cache tensor, once, in model order; then capture
+        the decode CUDA graphs, which read the caches by address.
+
+        The caches come from `kv_cache_init.allocate_kv_caches`: their last block is the
+        padding block, which padded decode rows write to.
+        """
         assert len(kv_caches) == len(self.attention_layers)
         self.kv_caches = kv_caches
         for layer, cache in zip(self.attention_layers, kv_caches, strict=True):
             layer.kv_cache = cache
+        if self.decode_graphs is not None and kv_caches:
+            layer = self.attention_layers[0]
+            block_numel = 2 * self.block_size * layer.num_kv_heads * layer.head_size
+            self.decode_graphs.set_padding_block(kv_caches[0].numel() // block_numel - 1)
+            if self.decode_graphs.config.capture:
+                self.decode_graphs.capture()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -98,8 +117,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [])
         inputs = self._prepare_inputs(scheduler_output)
-        with set_forward_context(inputs.attn_metadata, self.backend):
-            hidden_states = self.model(inputs.input_ids, inputs.positions)
+        hidden_states = self._forward(inputs)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
         sampled = self._sample(inputs, hidden_states, scheduler_output.grammar)
         return ModelRunnerOutput(
@@ -109,6 +127,14 @@ class ModelRunner:
             logprobs=sampled[1],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(inputs.attn_metadata):
+            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        with set_forward_context(inputs.attn_metadata, self.backend):
+            return self.model(inputs.input_ids, inputs.positions)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff: finished, preempted, new, resumed, new blocks."""

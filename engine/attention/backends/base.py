@@ -19,6 +19,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # True when forward() reads the step only through the metadata's device tensors
+    # and its fixed Python values, so a CUDA graph of it replays correctly for any
+    # step of the same shape (engine/worker/cuda_graphs.py).
+    cuda_graph_safe: bool = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int

@@ -15,6 +15,7 @@ from engine.attention.metadata import AttentionMetadata
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
+    cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
         from flash_attn import flash_attn_varlen_func

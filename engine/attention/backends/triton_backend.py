@@ -8,6 +8,7 @@ from engine.attention.metadata import AttentionMetadata
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
         from kernels.paged_attention import paged_attention
