@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import signal
 import socket
@@ -38,6 +39,7 @@ from server.app import build_app
 from server.lifecycle import ServerLimits
 from server.metrics import ServerMetrics
 from server.state import ServerState
+from server.tool_parsers import parser_for_model_type
 from server.xray import XrayOptions
 
 logger = logging.getLogger("pagedserve")
@@ -57,6 +59,9 @@ class ServeOptions:
     health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
     xray: XrayOptions = field(default_factory=XrayOptions)
+    # "auto": by the model's family (server/tool_parsers.py); "none": no parser.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
 
 
 class _Uvicorn(uvicorn.Server):
@@ -75,6 +80,19 @@ class TokenizerInfo:
     tokenizer: Any
     eos_token_id: int | None
     extra_stop_token_ids: list[int]
+
+
+def resolve_tool_call_parser(name: str, model_dir: str | Path) -> str | None:
+    """--tool-call-parser: "auto" picks by config.json's model_type; "none" is None."""
+    if name == "none":
+        return None
+    if name != "auto":
+        return name
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    return parser_for_model_type(model_type)
 
 
 def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
@@ -189,6 +207,8 @@ class APIServer:
             extra_stop_token_ids=info.extra_stop_token_ids, limits=options.limits,
             health_ping_timeout_s=options.health_ping_timeout_s,
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
+            tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),
+            reasoning_parser=options.reasoning_parser,
         )
         app = build_app(self.state, options.allowed_origins)
         await _warm_up()

@@ -220,6 +220,15 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         default=_env_bool(env_name("--xray-show-text"), False),
         help="Show prompt and output text on /xray (default: token counts, block ids and "
              "hashes only). [env: PAGEDSERVE_XRAY_SHOW_TEXT=1|0]")
+    # Chat: tool calls and reasoning (server/tools.py, server/reasoning.py).
+    flag("--tool-call-parser", "How tool_choice 'auto' finds tool calls in the output: "
+         "'hermes' (<tool_call> JSON, Qwen2/Qwen3), 'llama3_json' (Llama 3 JSON calls), "
+         "'auto' (by the model's family: hermes for Qwen, llama3_json for Llama), or 'none' "
+         "(tool_choice 'auto' is refused; 'required' and named functions always work).",
+         choices=["auto", "hermes", "llama3_json", "none"], default="auto")
+    flag("--reasoning-parser", "Split a thinking model's output: 'qwen3' sends the text "
+         "between <think> and </think> as reasoning_content. Default: none.",
+         choices=["qwen3"])
     flag("--shutdown-timeout", "On SIGTERM/SIGINT: refuse new requests (503) and let the "
          "in-flight ones finish for up to this many seconds, then abort the rest and exit.",
          type=_seconds, default="5")
@@ -310,7 +319,9 @@ def run_serve(args: argparse.Namespace) -> int:
                            allowed_origins=args.allowed_origins or [],
                            log_level=args.log_level, limits=limits_from_args(args),
                            shutdown_timeout_s=args.shutdown_timeout,
-                           xray=XrayOptions(enabled=args.xray, show_text=args.xray_show_text))
+                           xray=XrayOptions(enabled=args.xray, show_text=args.xray_show_text),
+                           tool_call_parser=args.tool_call_parser,
+                           reasoning_parser=args.reasoning_parser)
     server = APIServer(options, config, model_dir, served)
     try:
         asyncio.run(server.run())

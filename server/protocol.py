@@ -215,10 +215,47 @@ class ChatContentPart(OpenAIRequest):
     text: str | None = None
 
 
+class FunctionCall(OpenAIRequest):
+    name: str
+    arguments: str = Field(..., description="The arguments, as JSON text.")
+
+
+class ToolCall(OpenAIRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(None, description="A tool turn: the call it answers.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant turn's reasoning (accepted, not sent to the model).")
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments object.")
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -228,19 +265,18 @@ class ChatCompletionRequest(SamplingFields):
                                        **_doc_range(minimum=0, maximum=20))
     add_generation_prompt: bool = Field(
         True, description="End the templated prompt with the assistant's turn header.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if non-empty).")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none' is supported.")
-    parallel_tool_calls: bool | None = Field(None, description="Not supported (400 if set).")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: 'auto' with tools, 'none' without.")
+    parallel_tool_calls: bool | None = Field(
+        None, description="Allow more than one call per turn (default true).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template, e.g. "
+                          "{'enable_thinking': false}.")
     functions: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if set).")
     function_call: str | dict[str, Any] | None = Field(None, description="Not supported.")
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) are not supported."
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice other than 'none' is not supported."
-        if self.parallel_tool_calls is not None:
-            return "parallel_tool_calls", "parallel_tool_calls is not supported."
         if self.functions:
             return "functions", "functions are not supported."
         if self.function_call is not None:
@@ -272,16 +308,33 @@ class ChatChoiceLogProbs(OpenAIResponse):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseToolCall(OpenAIResponse):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIResponse):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer
+    def _without_empty_extras(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            data["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            data["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return data
 
 
 class ChatCompletionChoice(OpenAIResponse):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -294,20 +347,55 @@ class ChatCompletionResponse(OpenAIResponse):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIResponse):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class DeltaFunctionCall(OpenAIResponse):
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer
     def _without_nones(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments))
+                if v is not None}
+
+
+class DeltaToolCall(OpenAIResponse):
+    """A streamed piece of a tool call: the first of a call carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer
+    def _without_nones(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            data.update(id=self.id, type=self.type or "function")
+        if self.function is not None:
+            data["function"] = self.function.model_dump()
+        return data
+
+
+class DeltaMessage(OpenAIResponse):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer
+    def _without_nones(self) -> dict[str, Any]:
+        data = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content))
+                if v is not None}
+        if self.tool_calls:
+            data["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return data
 
 
 class ChatCompletionStreamChoice(OpenAIResponse):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 
 from engine.request_output import RequestOutput, SampleLogprob
+from server.chat_output import ChoiceParser, ParsedDelta
 from server.errors import bad_request
 from server.lifecycle import ActiveRequest
 from server.protocol import (
@@ -33,6 +34,7 @@ from server.serving_common import (
     build_sampling_params,
     check_common,
     check_prompts,
+    check_template_kwargs,
     json_logprob,
     make_usage,
     new_request_id,
@@ -44,7 +46,8 @@ from server.serving_common import (
     usage_chunk_for,
 )
 from server.state import ServerState
-from server.structured_outputs import structured_outputs_of
+from server.structured_outputs import check_params, requested_params, structured_outputs_of
+from server.tools import plan_tools
 
 
 def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoiceLogProbs:
@@ -69,7 +72,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
                           "invalid_value")
     num_top = body.top_logprobs or 0
-    structured_outputs = await structured_outputs_of(body)
+    plan = plan_tools(body, state.tool_call_parser)
+    if plan.structured_outputs is not None:
+        if (requested := requested_params(body)) is not None:
+            raise bad_request(f"tool_choice {plan.mode!r} cannot be combined with "
+                              f"{requested[0]}.", "tool_choice", "invalid_value")
+        structured_outputs = plan.structured_outputs
+        await check_params("tools", structured_outputs)
+    else:
+        structured_outputs = await structured_outputs_of(body)
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     try:
         params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,
                                        structured_outputs=structured_outputs)
@@ -77,7 +89,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         if getattr(exc, "param", None) == "logprobs":
             exc.param = "top_logprobs"  # chat's name for the number of alternatives
         raise
-    _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt)
+    _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt,
+                                              plan.template_tools, template_kwargs)
     check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
     state.metrics.record_structured_output(structured_outputs)
 
@@ -87,7 +100,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                          priority=body.priority, cache_salt=body.cache_salt)
     if body.stream:
         finals: list[RequestOutput | None] = [None]
-        chunks = _chunks(state, body, request_id, created, active, num_top, finals)
+        parsers = [ChoiceParser.make(state.reasoning_parser, plan) for _ in range(body.n)]
+        chunks = _chunks(state, body, request_id, created, active, num_top, finals, parsers)
         usage_chunk = usage_chunk_for(body, ChatCompletionStreamResponse, state, request_id, created)
         return EngineStreamingResponse(
             sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
@@ -104,16 +118,18 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         await active.finish()
     if (error := active.error()) is not None:
         raise error
-    choices = [
-        ChatCompletionChoice(
+    choices = []
+    for output in final.outputs:
+        parser = ChoiceParser.make(state.reasoning_parser, plan)
+        choices.append(ChatCompletionChoice(
             index=output.index,
-            message=ChatResponseMessage(content=output.text),
+            message=(parser.message(output.text) if parser is not None
+                     else ChatResponseMessage(content=output.text)),
             logprobs=_chat_logprobs(output.logprobs or [], num_top) if body.logprobs else None,
-            finish_reason=output.finish_reason,
+            finish_reason=(parser.finish_reason(output.finish_reason) if parser is not None
+                           else output.finish_reason),
             stop_reason=output.stop_reason,
-        )
-        for output in final.outputs
-    ]
+        ))
     usage = make_usage([final])
     record_usage(raw_request, usage)
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name,
@@ -128,8 +144,13 @@ async def _chunks(
     active: ActiveRequest,
     num_top: int,
     finals: list[RequestOutput | None],
+    parsers: list[ChoiceParser | None],
 ) -> AsyncIterator[str]:
-    """The chat chunks of a stream; `sse_body` adds usage, errors and [DONE]."""
+    """The chat chunks of a stream; `sse_body` adds usage, errors and [DONE].
+
+    A choice with a parser (tools, reasoning) sends what its parser lets out: text it
+    holds back (a possible tag, an open tool call) comes with a later chunk.
+    """
     def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
         return sse(ChatCompletionStreamResponse(
             id=request_id, created=created, model=state.model_name, choices=choices,
@@ -148,13 +169,28 @@ async def _chunks(
             if body.logprobs and output.delta_logprobs:
                 logprobs = _chat_logprobs(output.delta_logprobs, num_top)
             finished = output.finished
-            if not output.delta_text and not finished and logprobs is None:
-                continue
+            parser = parsers[output.index]
+            finish_reason = output.finish_reason if finished else None
+            if parser is None:
+                if not output.delta_text and not finished and logprobs is None:
+                    continue
+                delta = DeltaMessage(content=output.delta_text)
+            else:
+                parsed = parser.feed(output.delta_text)
+                if finished:
+                    last = parser.finish()
+                    parsed = ParsedDelta(parsed.reasoning + last.reasoning,
+                                         parsed.content + last.content,
+                                         parsed.tool_calls + last.tool_calls)
+                    finish_reason = parser.finish_reason(finish_reason)
+                if not parsed and not finished and logprobs is None:
+                    continue
+                delta = parsed.to_delta()
             finish_sent[output.index] = finished
             yield chunk([ChatCompletionStreamChoice(
                 index=output.index,
-                delta=DeltaMessage(content=output.delta_text),
+                delta=delta,
                 logprobs=logprobs,
-                finish_reason=output.finish_reason if finished else None,
+                finish_reason=finish_reason,
                 stop_reason=output.stop_reason if finished else None,
             )])

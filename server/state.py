@@ -33,6 +33,9 @@ class ServerState:
     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
     # GET /xray and /xray/state (--no-xray, --xray-show-text).
     xray: XrayOptions = field(default_factory=XrayOptions)
+    # Chat: the parser of tool_choice "auto" (None: "auto" is refused) and of reasoning.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:

@@ -391,12 +391,17 @@ def test_completion_errors(http, client, body, status, param, fragment):
 
 
 BAD_CHATS = [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    # tool_choice "auto" (the default with tools) needs a tool-call parser; this model
+    # has no family to pick one by.
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"tool_choice": "auto"}, "tool_choice"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content"),
     ({"messages": []}, "messages"),
