@@ -21,6 +21,7 @@ from engine.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     parse_size,
 )
@@ -175,6 +176,20 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "'shared' (the core computes on all of them) or 'split' (the first CPU is kept for "
          "the frontend, the core is pinned to the others, as vLLM does).",
          choices=["shared", "split"], default="shared")
+    flag("--tensor-parallel-size", "Split the model over this many worker processes (one per "
+         "GPU on CUDA; on CPU each gets an equal share of the cores), over torch.distributed "
+         "(NCCL on CUDA, gloo on CPU). The attention heads, KV heads (or ranks, when fewer "
+         "KV heads), intermediate and MoE intermediate sizes must divide evenly.",
+         type=_positive_int, default="1")
+    flag("--nnodes", "Hosts the tensor-parallel ranks span (torchrun's meaning); each runs "
+         "tensor-parallel-size / nnodes ranks.", type=_positive_int, default="1")
+    flag("--node-rank", "This host's index among --nnodes: 0 runs the HTTP server and the "
+         "engine core, the others only worker ranks.", type=int, default="0")
+    flag("--master-addr", "Address of node 0, where the ranks meet (torch.distributed's "
+         "store; the engine core's control socket is on --master-port + 1).",
+         default="127.0.0.1")
+    flag("--master-port", "Port of the process group's store on node 0. Default on one "
+         "node: a free port; required with --nnodes > 1.", type=_positive_int)
     flag("--attention-backend", "Attention implementation: 'auto' is torch on CPU and, on "
          "CUDA, triton (any power-of-two --block-size from 16) or flash_attn where it is "
          "installed and --block-size is a multiple of 256.",
@@ -267,6 +282,10 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+            node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port),
         device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend,
                                    cpu_threads=args.cpu_threads, cpu_layout=args.cpu_layout),
     )
@@ -315,6 +334,18 @@ def run_serve(args: argparse.Namespace) -> int:
     model_dir = str(source.path)
     served = args.served_model_name or [_served_name(source, model_dir)]
     config = engine_config_from_args(args, model_dir, served[0])
+    if not 0 <= args.node_rank < args.nnodes:
+        print(f"error: --node-rank {args.node_rank} is not in [0, --nnodes {args.nnodes})",
+              file=sys.stderr)
+        return 2
+    if args.node_rank > 0:  # a node of worker ranks only: no HTTP server, no engine core
+        from engine.distributed.launcher import run_worker_node
+
+        try:
+            return run_worker_node(config, args.log_level)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                            allowed_origins=args.allowed_origins or [],
                            log_level=args.log_level, limits=limits_from_args(args),

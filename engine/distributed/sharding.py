@@ -94,19 +94,37 @@ def shard_heads(num_heads: int, num_kv_heads: int, head_size: int, rank: int,
 
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
-    """Raise ValueError (one line naming the model's numbers) if `size` ranks cannot
-    split this model; called once at start-up, before any worker starts."""
+    """Raise ValueError (one line naming the model's numbers and the sizes that would
+    work) if `size` ranks cannot split this model; called once at start-up, before any
+    worker starts."""
     if size == 1:
         return
+    try:
+        _check_sizes(hf_config, size)
+    except ValueError as exc:
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        valid = [n for n in range(1, 9) if _fits(hf_config, n)]
+        raise ValueError(
+            f"--tensor-parallel-size {size}: {exc}; the model has {num_heads} attention "
+            f"heads and {num_kv_heads} KV heads (sizes up to 8 that fit: "
+            f"{', '.join(map(str, valid))})") from None
+
+
+def _check_sizes(hf_config: Any, size: int) -> None:
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    sizes = {"intermediate size": getattr(hf_config, "intermediate_size", None),
-             "MoE intermediate size": getattr(hf_config, "moe_intermediate_size", None)}
+    shard_heads(num_heads, num_kv_heads, 1, 0, size)
+    for what, attr in (("intermediate size", "intermediate_size"),
+                       ("MoE intermediate size", "moe_intermediate_size")):
+        total = getattr(hf_config, attr, None)
+        if total:
+            even_range(total, 0, size, what)
+
+
+def _fits(hf_config: Any, size: int) -> bool:
     try:
-        shard_heads(num_heads, num_kv_heads, 1, 0, size)
-        for what, total in sizes.items():
-            if total:
-                even_range(total, 0, size, what)
-    except ValueError as exc:
-        raise ValueError(f"--tensor-parallel-size {size}: {exc}; the model has "
-                         f"{num_heads} attention heads and {num_kv_heads} KV heads") from None
+        _check_sizes(hf_config, size)
+    except ValueError:
+        return False
+    return True
