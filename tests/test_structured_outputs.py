@@ -184,6 +184,75 @@ def test_openai_sdk_parse(client):
     assert Person.model_validate_json(message.content) == message.parsed
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "tz": {"type": "string", "maxLength": 8}}, "required": ["tz"],
+        "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+def test_required_tool_calls_stream_reassembled_by_the_sdk(client):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK],
+                  tool_choice="required", temperature=0, max_tokens=60)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_named_tool_then_a_second_turn_with_the_result(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK], temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40)
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop"  # a forced function ends "stop", as OpenAI's
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    history = [*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                            tool_choice="none", temperature=0, max_tokens=8)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_langchain_structured_output_and_bind_tools(server):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        legs: int = pydantic.Field(ge=0, le=4)
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=MODEL,
+                     temperature=0, max_tokens=40, max_retries=0, timeout=120)
+    pet = llm.with_structured_output(Pet).invoke("Describe a pet as JSON.")
+    assert isinstance(pet, Pet)
+    message = llm.bind_tools([get_weather], tool_choice="any").invoke(
+        "What is the weather in Paris?")
+    [call] = message.tool_calls[:1]
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+
+
 BAD = [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
