@@ -133,15 +133,39 @@ def worker_specs(config: EngineConfig, node_rank: int, dist_init_method: str,
             dist_init_method=dist_init_method, dist_backend=dist_backend(device),
             control_address=control_address,
             cpus=cpus if device.type == "cpu" else (), num_threads=threads,
-            parent_pid=os.getpid(), log_level=log_level, ignore_signals=ignore_signals))
+            log_level=log_level, ignore_signals=ignore_signals))
     return specs
 
 
+# Modules a worker needs, imported once by the forkserver and inherited by every rank
+# it forks: a rank then starts in well under a second instead of importing torch and
+# transformers anew (seconds each). The forkserver itself never computes, so it holds
+# no thread pools and no CUDA context; PAGEDSERVE_TP_START_METHOD=spawn opts out.
+_PRELOAD = ["torch", "transformers", "engine.distributed.worker_proc", "engine.worker.executor",
+            "engine.model_loader", "engine.models",
+            # AutoConfig imports these lazily, and with them most of transformers
+            "transformers.models.llama.configuration_llama",
+            "transformers.models.qwen2.configuration_qwen2",
+            "transformers.models.qwen3.configuration_qwen3",
+            "transformers.models.qwen3_moe.configuration_qwen3_moe"]
+
+
+def _mp_context():
+    method = os.environ.get("PAGEDSERVE_TP_START_METHOD", "forkserver")
+    if method not in multiprocessing.get_all_start_methods():
+        method = "spawn"
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def start_workers(specs: list[WorkerSpec]) -> dict[int, BaseProcess]:
-    spawn = multiprocessing.get_context("spawn")
+    context = _mp_context()
     processes = {}
     for spec in specs:
-        process = spawn.Process(target=run_worker, args=(spec,), name=f"TPWorker-{spec.rank.rank}")
+        process = context.Process(target=run_worker, args=(spec,),
+                                  name=f"TPWorker-{spec.rank.rank}")
         process.start()
         processes[spec.rank.rank] = process
     return processes

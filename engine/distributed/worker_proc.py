@@ -48,7 +48,6 @@ class WorkerSpec:
     control_address: str  # the engine core's ROUTER socket
     cpus: tuple[int, ...]  # pin to these (empty: do not pin)
     num_threads: int
-    parent_pid: int
     log_level: str = "INFO"
     # Ranks the engine core spawned ignore SIGINT/SIGTERM: the server drains first and
     # then stops them (Stop); a terminal's Ctrl-C must not kill them mid-drain.
@@ -88,7 +87,9 @@ def run_worker(spec: WorkerSpec) -> None:
         level=spec.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [tp-rank {rank} pid={os.getpid()}] "
                "%(name)s: %(message)s")
-    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True,
+    # The parent is the process that started this one (the engine core, the node
+    # launcher, or their forkserver, which exits with them): its exit ends this rank.
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True,
                      name="parent-watch").start()
     if spec.cpus:
         from engine import cpu_info
