@@ -104,7 +104,7 @@ def test_json_schema_validates_and_stream_equals_non_stream(http):
 
 
 def test_json_object(http):
-    content = chat(http, max_tokens=60, response_format={"type": "json_object"},
+    content = chat(http, max_tokens=30, response_format={"type": "json_object"},
                    messages=[{"role": "user", "content": "Reply with a JSON object."}])
     choice = content["choices"][0]
     if choice["finish_reason"] == "stop":
@@ -140,7 +140,7 @@ def test_n2_sampled_mixed_with_free_requests_and_preemption(http, client):
     """n = 2 sampled constrained choices beside free greedy requests, in a KV cache too
     small for all of them: every constrained output validates, every free greedy
     output is the one it has alone, and the server did preempt."""
-    free = dict(model=MODEL, temperature=0, max_tokens=40,
+    free = dict(model=MODEL, temperature=0, max_tokens=20,
                 messages=[{"role": "user", "content": "Tell me about the sea."}])
     alone = client.chat.completions.create(**free).choices[0].message.content
     preemptions_before = _metric(http, "pagedserve:num_preemptions_total")
