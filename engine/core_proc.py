@@ -141,9 +141,9 @@ class EngineCoreProc:
             self._handle(message)
 
     def _step(self) -> None:
-        steps_before = self.core.num_steps
+        steps_before = (self.core.num_steps, self.core.num_steps_applied)
         outputs = self.core.step()
-        if outputs.outputs or self.core.num_steps != steps_before:
+        if outputs.outputs or (self.core.num_steps, self.core.num_steps_applied) != steps_before:
             self._send(Outputs(outputs))
             return
         # Work exists but nothing could be scheduled: wait a little for input instead

@@ -92,6 +92,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         policy: str = "fcfs",
+        async_scheduling: bool = False,
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
@@ -117,6 +118,7 @@ class LLM:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+                async_scheduling=async_scheduling,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device_config=DeviceConfig(device=device, attention_backend=attention_backend),

@@ -61,8 +61,9 @@ class Request:
 
     Invariants the scheduler relies on:
       * `all_token_ids == prompt_token_ids + output_token_ids`
-      * `num_computed_tokens <= num_tokens`; tokens `[0, num_computed_tokens)` have KV
-        in this request's blocks.
+      * `num_computed_tokens <= num_tokens + num_output_placeholders`; tokens
+        `[0, num_computed_tokens)` have KV in this request's blocks once the steps
+        already scheduled have run (placeholders exist only with async scheduling).
       * `block_hashes[i]` is the hash of full block i of `all_token_ids`; it is
         computed once, when that block's last token is appended.
     """
@@ -91,6 +92,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps still running, not yet appended
+        # (their positions may already be scheduled; see engine/core.py).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens  # resolved by the engine if None

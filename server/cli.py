@@ -195,6 +195,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "installed and --block-size is a multiple of 256.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
     parser.add_argument(
+        "--async-scheduling", action="store_true",
+        default=_env_bool(env_name("--async-scheduling"), False),
+        help="Schedule the next step while the current one runs, so the engine's own "
+             "work (scheduling, outputs) overlaps the model instead of adding to it. "
+             "[env: PAGEDSERVE_ASYNC_SCHEDULING=1|0]")
+    parser.add_argument(
         "--enforce-eager", action="store_true",
         default=_env_bool(env_name("--enforce-eager"), False),
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at "
@@ -281,7 +287,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
             num_gpu_blocks_override=args.num_gpu_blocks_override),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            policy=args.scheduling_policy),
+            policy=args.scheduling_policy, async_scheduling=args.async_scheduling),
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
             node_rank=args.node_rank, master_addr=args.master_addr,

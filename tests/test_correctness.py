@@ -114,6 +114,55 @@ def test_all_three_at_once(arch_case):
     assert any(o.num_cached_tokens > 0 for o in second)
 
 
+def test_async_scheduling_matches(arch_case):
+    """Steps scheduled one ahead of the model: the same tokens under prefix hits, chunked
+    prefill and preemption at once."""
+    model_dir, _, _, shared, shared_ref = arch_case
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              num_gpu_blocks_override=24, async_scheduling=True)
+    preemptions = count_preemptions(llm)
+    assert_matches(generate_ids(llm, shared), shared_ref)
+    second = llm.generate(shared, GREEDY, use_tqdm=False)
+    assert_matches([o.outputs[0].token_ids for o in second], shared_ref)
+    assert preemptions[0] > 0
+    assert any(o.num_cached_tokens > 0 for o in second)
+    assert llm.engine_core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_async_scheduling_stops_like_sync(tmp_path):
+    """max_tokens, stop tokens, min_tokens and stop strings end each sequence at the same
+    token with and without async scheduling, and every block is free afterwards."""
+    model_dir = build_tiny_checkpoint(tmp_path, "llama", max_position_embeddings=512)
+    prompts = make_prompts(seed=3)
+    free_run = LLM(model_dir, dtype="float32", max_model_len=512)
+    reference = free_run.generate(prompts, GREEDY, use_tqdm=False)
+    params = []
+    for i, out in enumerate(reference):
+        tokens, text = out.outputs[0].token_ids, out.outputs[0].text
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=1 + i))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                         stop_token_ids=[tokens[5]]))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                         stop_token_ids=[tokens[2]], min_tokens=8))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                         stop=[text[len(text) // 2:][:3]] if text else None))
+    sync = free_run.generate(prompts, params, use_tqdm=False)
+    ahead = LLM(model_dir, dtype="float32", max_model_len=512, async_scheduling=True)
+    result = ahead.generate(prompts, params, use_tqdm=False)
+    for s, a in zip(sync, result, strict=True):
+        s_out, a_out = s.outputs[0], a.outputs[0]
+        assert (a_out.token_ids, a_out.text, a_out.finish_reason, a_out.stop_reason) == (
+            s_out.token_ids, s_out.text, s_out.finish_reason, s_out.stop_reason)
+    assert {o.outputs[0].finish_reason for o in sync} == {"length", "stop"}
+    assert ahead.engine_core.scheduler.kv_cache_manager.usage == 0
+    assert not ahead.engine_core.has_unfinished_requests()
+
+
 def test_logprobs_match_transformers(arch_case):
     model_dir, prompts, ref, _, _ = arch_case
     llm = LLM(model_dir, dtype="float32", max_model_len=512)

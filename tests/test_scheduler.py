@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -711,3 +712,84 @@ def test_generation_and_prompt_token_stats():
     assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (0, 1)
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 0)
     assert stats.kv_cache_usage == pytest.approx(4 / 100)
+
+
+# ------------------------------------------------------------------ async scheduling
+def make_async_scheduler(**kwargs) -> Scheduler:
+    scheduler = make_scheduler(**kwargs)
+    scheduler.config = dataclasses.replace(scheduler.config, async_scheduling=True)
+    return scheduler
+
+
+def schedule_ahead(scheduler: Scheduler) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    """schedule() plus the output a runner would give once the step runs: a token for
+    each request that got a placeholder in this step (token = 1000 + its position)."""
+    before = {r.req_id: r.num_output_placeholders for r in scheduler.requests.values()}
+    out = scheduler.schedule()
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        samples = request.num_output_placeholders > before.get(req_id, 0)
+        sampled.append([1000 + request.num_computed_tokens] if samples else [])
+    return out, ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+def test_async_schedules_the_next_position_before_the_token_is_known():
+    scheduler = make_async_scheduler()
+    a = add(scheduler, "a", 5)
+    b = add(scheduler, "b", 3)
+    first = schedule_ahead(scheduler)  # prefill: both sample; one placeholder each
+    assert first[0].num_scheduled_tokens == {"a": 5, "b": 3}
+    assert (a.num_output_placeholders, b.num_output_placeholders) == (1, 1)
+    second = schedule_ahead(scheduler)  # before the first step's tokens are known
+    assert second[0].num_scheduled_tokens == {"a": 1, "b": 1}
+    assert (a.num_computed_tokens, a.num_tokens, a.num_output_placeholders) == (6, 5, 2)
+    out = scheduler.update_from_output(*first)
+    assert {o.req_id: o.new_token_ids for o in out.outputs} == {"a": [1005], "b": [1003]}
+    assert (a.num_tokens, a.num_output_placeholders) == (6, 1)
+    out = scheduler.update_from_output(*second)
+    assert {o.req_id: o.new_token_ids for o in out.outputs} == {"a": [1006], "b": [1004]}
+    assert all(r.num_output_placeholders == 0 and r.num_computed_tokens == r.num_tokens - 1
+               for r in (a, b))
+
+
+def test_async_never_runs_past_max_tokens_and_drops_tokens_after_a_stop():
+    scheduler = make_async_scheduler()
+    add(scheduler, "one", 3, max_tokens=1)
+    add(scheduler, "eos", 3)
+    first = schedule_ahead(scheduler)
+    second = schedule_ahead(scheduler)
+    # "one" samples its only token in the first step: nothing to compute ahead.
+    assert second[0].num_scheduled_tokens == {"eos": 1}
+    first[1].sampled_token_ids[first[1].req_id_to_index["eos"]] = [EOS]
+    out = scheduler.update_from_output(*first)
+    assert {o.req_id: (o.new_token_ids, o.finish_reason) for o in out.outputs} == {
+        "one": ([1003], "length"), "eos": ([EOS], "stop")}
+    # The second step computed a token for "eos" after its stop: never reported.
+    out = scheduler.update_from_output(*second)
+    assert out.outputs == []
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)
+
+
+def test_async_request_preempted_while_its_step_runs_keeps_that_token():
+    scheduler = make_async_scheduler(num_blocks=2, policy="priority")
+    low = add(scheduler, "low", 3, priority=9)
+    first = schedule_ahead(scheduler)  # low: 3 prompt tokens, samples position 3
+    add(scheduler, "high", 7, priority=0)  # needs both blocks
+    second = schedule_ahead(scheduler)
+    assert second[0].preempted_req_ids == {"low"}
+    assert second[0].num_scheduled_tokens == {"high": 7}
+    out = scheduler.update_from_output(*first)
+    # The token low sampled before it was preempted is its own (the runner kept it).
+    assert [o.new_token_ids for o in out.outputs] == [[1003]]
+    assert low.output_token_ids == [1003] and low.num_output_placeholders == 0
+    assert low.status == RequestStatus.PREEMPTED and low.num_computed_tokens == 0
+    scheduler.update_from_output(*second)
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        scheduler.update_from_output(*schedule_ahead(scheduler))
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)

@@ -72,3 +72,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    def num_computed_tokens_before(self) -> dict[str, int]:
+        """req_id -> its computed tokens when this step was scheduled (before it ran)."""
+        cached = self.scheduled_cached_reqs
+        before = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        before.update((new.req_id, new.num_computed_tokens) for new in self.scheduled_new_reqs)
+        return before

@@ -207,8 +207,12 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if request.num_output_placeholders and not self._may_run_ahead(request):
+                index += 1
+                continue
             num_new_tokens = min(
-                request.num_tokens - request.num_computed_tokens,
+                request.num_tokens + request.num_output_placeholders
+                - request.num_computed_tokens,
                 token_budget,
                 # Never compute a position at or beyond max_model_len.
                 self.max_model_len - 1 - request.num_computed_tokens,
@@ -287,11 +291,27 @@ class Scheduler:
             new_block_ids, preempted,
         )
         # The scheduled tokens count as computed from now on: the runner computes them
-        # before the next schedule() runs.
+        # before any later step. With async scheduling, a request that samples in this
+        # step gets a placeholder for that token until update_from_output appends it;
+        # the next schedule() may already compute its position (the runner has the
+        # token by then: steps run in order).
+        async_scheduling = self.config.async_scheduling
         for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if async_scheduling and (request.num_computed_tokens
+                                     >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1
         self.finished_req_ids = set()
         return output
+
+    def _may_run_ahead(self, request: Request) -> bool:
+        """Async scheduling: may `request`, whose last sampled token is not known yet,
+        be scheduled for the next position already? Not if that token may be its last
+        (max_tokens), nor with a grammar (its mask needs that token)."""
+        return (request.grammar is None
+                and request.num_output_tokens + request.num_output_placeholders
+                < request.max_tokens)
 
     def _pick_preemption_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -394,25 +414,31 @@ class Scheduler:
         num_prompt_tokens = num_generation_tokens = num_prompt_tokens_prefilled = 0
         inter_token_latencies_s: list[float] = []
         now = time.time()
+        computed_before = scheduler_output.num_computed_tokens_before()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
-                continue  # aborted while the step ran
-            num_computed_before = request.num_computed_tokens - num_tokens
+                continue  # finished or aborted while the step ran
+            num_computed_before = computed_before[req_id]
             if num_computed_before < request.num_prompt_tokens:  # (part of) a prefill
                 num_prompt_tokens += (
-                    min(request.num_computed_tokens, request.num_prompt_tokens)
+                    min(num_computed_before + num_tokens, request.num_prompt_tokens)
                     - num_computed_before
                 )
             index = runner_output.req_id_to_index.get(req_id)
             error = runner_output.errors.get(req_id)
+            # Async scheduling: a later schedule() may have preempted it meanwhile;
+            # the tokens this step sampled for it still count (the runner kept them).
+            was_running = request.status == RequestStatus.RUNNING
             if error is not None:
-                self.running.remove(request)
+                self._dequeue(request, was_running)
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
                 outputs.append(EngineCoreOutput(req_id, [], "error", error=error))
                 continue
             sampled = runner_output.sampled_token_ids[index] if index is not None else []
+            if sampled and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             new_token_ids: list[int] = []
             grammar = request.grammar
             for token_id in sampled:
@@ -453,7 +479,7 @@ class Scheduler:
                 )
             )
             if finished:
-                self.running.remove(request)
+                self._dequeue(request, was_running)
                 self._free_request(request)
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -470,6 +496,13 @@ class Scheduler:
             outputs=outputs, scheduler_stats=stats, timestamp=time.time(),
             scheduled_times=scheduled_times,
         )
+
+    def _dequeue(self, request: Request, running: bool) -> None:
+        """Take a request that is finishing out of `running` (or `waiting`)."""
+        if running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set the finished status if `token_id` ends the request.
