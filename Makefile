@@ -1,6 +1,8 @@
 # pagedserve: two commands for a fresh machine.
 #   make serve   set up .venv (deps + default model) and run the server on 127.0.0.1:8000
 #   make test    set up .venv and run the whole test suite
+#   make gpu-check              on a CUDA machine: GPU tests + benchmark (README, "GPU")
+#   make gpu-check ARGS=--dry-run   here: check that GPU run is wired, without a GPU
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve test lint bench clean
+.PHONY: venv serve test lint bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +32,11 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# No venv: on the GPU machine python3 is the image's (torch with CUDA); the script
+# installs the wheels of .whl/ itself. Here, --dry-run uses .venv if it exists.
+gpu-check:
+	bash benchmarks/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV)
