@@ -253,10 +253,14 @@ class ModelRunner:
         sample_rows = inputs.row_indices[inputs.sample_req_indices]
         metadata = self.sampling_state.make_metadata(sample_rows)
         if grammar is not None:
-            # Batch position of each constrained request among the sampling rows.
+            # Batch position of each constrained request among the sampling rows (the
+            # scheduler sends masks only for requests that sample: normally all of them).
             position = {inputs.req_ids[r]: i for i, r in enumerate(inputs.sample_req_indices)}
-            metadata.grammar_rows = [position[req_id] for req_id in grammar.req_ids]
-            metadata.grammar_bitmask = grammar.bitmask
+            masks = [i for i, req_id in enumerate(grammar.req_ids) if req_id in position]
+            if masks:
+                metadata.grammar_rows = [position[grammar.req_ids[i]] for i in masks]
+                metadata.grammar_bitmask = (grammar.bitmask if len(masks) == len(grammar.req_ids)
+                                            else grammar.bitmask[masks])
         output = self.sampler(logits, metadata)
         token_ids = output.sampled_token_ids.tolist()
         logprobs: dict[str, Logprobs] = {}
