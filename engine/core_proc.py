@@ -165,6 +165,11 @@ class EngineCoreProc:
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.req_ids)
         elif isinstance(message, Ping):
+            # An idle engine learns of a dead worker rank here, not only at its next step
+            # (the multiprocess executor raises WorkerDiedError, which ends the loop).
+            check_health = getattr(self.core.executor, "check_health", None)
+            if check_health is not None:
+                check_health()
             self._send(Pong(message.ping_id))  # between two steps: the loop is alive
         elif isinstance(message, UtilityCall):
             self._send(self._call_utility(message))

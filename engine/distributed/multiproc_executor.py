@@ -250,9 +250,16 @@ class MultiprocExecutor:
         self._broadcast(Step(scheduler_output))
         return self._gather(StepDone, None, starting=False)[0].output
 
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a local rank has exited (the core calls this when idle)."""
+        for rank, process in self.processes.items():
+            if not process.is_alive():
+                self._rank_died(rank, starting=False)
+
     def _broadcast(self, message) -> None:
         unreachable = self._send_all(message)
         if unreachable:
+            self.check_health()  # a dead local rank: say which and how it died
             self._fail(f"tensor-parallel rank {unreachable[0]} is not connected",
                        starting=isinstance(message, InitKVCache))
 
