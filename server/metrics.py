@@ -291,10 +291,11 @@ class ServerMetrics:
                 self.time_per_output_token.observe(decode_s / (longest - 1))
 
     # ---------------------------------------------------------------- HTTP hooks
-    def record_structured_output(self, params: StructuredOutputsParams | None) -> None:
-        """Count a request the engine will constrain (None: a free one, not counted)."""
+    def record_structured_output(self, params: StructuredOutputsParams | None,
+                                 num_prompts: int = 1) -> None:
+        """Count the prompts of a request the engine will constrain (None: free ones)."""
         if params is not None:
-            self.structured_requests[params.kind].inc()
+            self.structured_requests[params.kind].inc(num_prompts)
 
     def record_request_failure(self, reason: str) -> None:
         """Count a request that failed before the engine had it (see the module doc).

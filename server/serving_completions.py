@@ -103,7 +103,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
         prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None,
         structured_outputs=structured_outputs)
     check_prompts(state, [ids for _, ids in prompts], params, body)
-    state.metrics.record_structured_output(structured_outputs)
+    state.metrics.record_structured_output(structured_outputs, len(prompts))
 
     request_id = new_request_id("cmpl")
     created = int(time.time())
