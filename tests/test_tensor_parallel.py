@@ -208,3 +208,25 @@ def test_sharded_linears_keep_their_shapes():
     assert model.model.embed_tokens.vocab_rows == RowRange(256, 255)
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (8, 32, 64) and experts.down_proj.shape == (8, 64, 16)
+
+
+def test_a_rank_that_cannot_start_fails_start_up_in_one_line(tmp_path):
+    """Port in use: rank 0 cannot host the process group's store."""
+    import socket
+
+    from engine.config import EngineConfig, ModelConfig, ParallelConfig
+    from engine.core import EngineCore
+
+    model_dir = build_tiny_checkpoint(tmp_path / "llama", "llama")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        config = EngineConfig(
+            model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=128),
+            parallel_config=ParallelConfig(tensor_parallel_size=2,
+                                           master_port=busy.getsockname()[1]))
+        with pytest.raises(RuntimeError) as info:
+            EngineCore(config)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("tensor-parallel rank 0 failed to start: "), message

@@ -240,7 +240,7 @@ class MultiprocExecutor:
             self._broadcast(InitKVCache(num_blocks))
             self._gather(KVCacheReady, STARTUP_TIMEOUT_S, starting=True)
         except BaseException:
-            self.shutdown()
+            self.shutdown(grace_s=0.0)  # the others may wait for the failed rank forever
             raise
         return KVCacheInfo(num_blocks, config.cache_config.block_size, first.max_model_len,
                            first.vocab_size)
@@ -331,14 +331,14 @@ class MultiprocExecutor:
         raise WorkerDiedError(message)
 
     # ---------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        """Stop every local rank (Stop, then SIGKILL after a grace period); idempotent."""
+    def shutdown(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every local rank (Stop, then SIGKILL after `grace_s`); idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._context is not None:
             self._send_all(Stop())
-        stop_processes(self.processes)
+        stop_processes(self.processes, grace_s)
         if self._context is not None:
             with contextlib.suppress(Exception):
                 self._router.disable_monitor()
