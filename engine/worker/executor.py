@@ -112,8 +112,11 @@ class Worker:
         self.runner = ModelRunner(
             model, self.backend, device, max_num_reqs=sched.max_num_seqs,
             max_model_len=self.max_model_len, block_size=block_size, vocab_size=self.vocab_size,
+            # Tensor-parallel ranks run eagerly: NCCL collectives inside captured CUDA
+            # graphs have not been tried on a multi-GPU machine here.
             decode_graphs=DecodeGraphConfig.for_device(
-                device, config.model_config.enforce_eager, sched.max_num_seqs),
+                device, config.model_config.enforce_eager or rank.size > 1,
+                sched.max_num_seqs),
         )
         if rank.size > 1:
             from engine.distributed.sampling import FirstRankSampler
