@@ -14,7 +14,27 @@ be the start of a tag is held back until it is known not to be one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from engine.structured_output import StructuredOutputsParams
+
 REASONING_PARSERS = ("qwen3",)
+_END_TAGS = {"qwen3": "</think>"}
+
+
+def grammar_after_reasoning(tokenizer, parser: str, params: StructuredOutputsParams,
+                            prompt_token_ids: list[int]) -> StructuredOutputsParams:
+    """`params`, applied only once the model has finished thinking.
+
+    When the end tag is one token and the prompt does not hold it already (Qwen3 with
+    `enable_thinking: false` closes an empty think block in the prompt), the grammar
+    waits for that token: the reasoning before it is free, the answer after it matches.
+    """
+    end_id = tokenizer.convert_tokens_to_ids(_END_TAGS[parser])
+    if not isinstance(end_id, int) or end_id == tokenizer.unk_token_id \
+            or end_id in prompt_token_ids:
+        return params
+    return replace(params, after_token_id=end_id)
 
 
 class ThinkTagReasoningStream:

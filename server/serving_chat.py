@@ -28,6 +28,7 @@ from server.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
+from server.reasoning import grammar_after_reasoning
 from server.serving_common import (
     EngineStreamingResponse,
     apply_chat_template,
@@ -91,6 +92,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise
     _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt,
                                               plan.template_tools, template_kwargs)
+    if structured_outputs is not None and state.reasoning_parser is not None:
+        params.structured_outputs = grammar_after_reasoning(
+            state.tokenizer, state.reasoning_parser, structured_outputs, prompt_token_ids)
     check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
     state.metrics.record_structured_output(structured_outputs)
 

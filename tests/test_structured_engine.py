@@ -138,6 +138,40 @@ def test_preempted_request_keeps_its_matcher(scheduler, tokenizer):
     assert digits and all(re.fullmatch(r"[0-9]+", d) for d in digits), digits
 
 
+def test_grammar_waits_for_the_end_of_reasoning(scheduler, tokenizer):
+    """With after_token_id (a reasoning model's </think>), the output is free and the
+    matcher idle until that token; from the next token on, the grammar holds."""
+    end = tokenizer.eos_token_id + 1  # stands for </think>
+    request = add(scheduler, "c", tokenizer, "regex", "[0-9]{2}")
+    request.grammar = scheduler.structured_output.submit(
+        StructuredOutputsParams("regex", "[0-9]{2}", after_token_id=end),
+        [tokenizer.eos_token_id])
+    output = schedule_until_grammar(scheduler)
+    free_word = tokenizer("hmm").input_ids[0]
+    for token in (free_word, free_word, end):
+        assert output.grammar is None  # thinking: no mask
+        feed(scheduler, output, {"c": token})
+        output = scheduler.schedule()
+    digits = {tokenizer.decode([t]) for t in allowed(output.grammar.bitmask[0])}
+    assert digits and all(re.fullmatch(r"[0-9]+", d) for d in digits)
+    assert request.output_token_ids == [free_word, free_word, end]
+
+
+def test_grammar_after_reasoning_only_when_the_prompt_has_not_closed_thinking():
+    from server.reasoning import grammar_after_reasoning
+
+    class Tokenizer:
+        unk_token_id = None
+
+        def convert_tokens_to_ids(self, token):
+            return 77 if token == "</think>" else None
+
+    params = StructuredOutputsParams("json_object")
+    assert grammar_after_reasoning(Tokenizer(), "qwen3", params, [1, 2]).after_token_id == 77
+    # enable_thinking false: the template already closed an empty think block.
+    assert grammar_after_reasoning(Tokenizer(), "qwen3", params, [1, 77, 2]) is params
+
+
 def test_sampler_masks_only_constrained_rows():
     state = SamplingState(4, VOCAB)
     for row in range(3):

@@ -398,7 +398,8 @@ class Scheduler:
         for req_id in self._constrained_req_ids:
             num_tokens = num_scheduled_tokens.get(req_id)
             request = self.requests[req_id]
-            if num_tokens and request.num_computed_tokens + num_tokens >= request.num_tokens:
+            if (num_tokens and request.grammar.active
+                    and request.num_computed_tokens + num_tokens >= request.num_tokens):
                 req_ids.append(req_id)
                 grammars.append(request.grammar)
         if not req_ids:
@@ -442,7 +443,10 @@ class Scheduler:
             new_token_ids: list[int] = []
             grammar = request.grammar
             for token_id in sampled:
-                if grammar is not None and not grammar.accept(token_id):
+                if grammar is not None and not grammar.active:
+                    # Free reasoning: the grammar starts after its end token.
+                    grammar.active = token_id == grammar.params.after_token_id
+                elif grammar is not None and not grammar.accept(token_id):
                     # Only a token the mask allowed can get here; end the output cleanly.
                     logger.warning("request %s: grammar rejected token %d; stopping",
                                    req_id, token_id)

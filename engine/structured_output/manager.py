@@ -12,6 +12,9 @@ compile takes longer than `compile_timeout_s` fails alone. The first compile als
 builds the tokenizer's vocabulary table (a few tenths of a second), so a server that
 never sees a constrained request pays nothing.
 
+A grammar with `after_token_id` (a reasoning model's `</think>`) stays inactive, neither
+masking nor advancing, until the output holds that token.
+
 A matcher advances only on tokens the request keeps: a preempted request keeps its
 output tokens (recompute re-prefills them), so its matcher stays valid as it is.
 """
@@ -54,6 +57,11 @@ class RequestGrammar:
     submitted_at: float = field(default_factory=time.monotonic)
     matcher: Any = None
     error: str | None = None
+    # False until the output reaches `params.after_token_id` (free reasoning first).
+    active: bool = True
+
+    def __post_init__(self) -> None:
+        self.active = self.params.after_token_id is None
 
     def accept(self, token_id: int) -> bool:
         """Advance the matcher by one token; False if the grammar forbids it."""
@@ -62,7 +70,7 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         """The output is complete and its stop token was accepted."""
-        return self.matcher is not None and self.matcher.is_terminated()
+        return self.active and self.matcher is not None and self.matcher.is_terminated()
 
 
 class StructuredOutputManager:

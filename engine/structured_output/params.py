@@ -25,6 +25,9 @@ GRAMMAR_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "gra
 class StructuredOutputsParams:
     kind: GrammarKind
     spec: str = ""
+    # The grammar applies only after the output holds this token (a reasoning model's
+    # end of thinking, e.g. `</think>`): the thinking before it is free. None: at once.
+    after_token_id: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:
