@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from fastapi import Request
 
@@ -82,6 +83,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         await check_params("tools", structured_outputs)
     else:
         structured_outputs = await structured_outputs_of(body)
+        if structured_outputs is not None and plan.mode == "auto":
+            plan = replace(plan, mode="none", parser=None)  # the format decides: no calls
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     try:
         params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,

@@ -299,7 +299,7 @@ def _parse_call(body: str, *argument_keys: str) -> tuple[str, str] | None:
             args = obj[key]
             return obj["name"], args if isinstance(args, str) else json.dumps(
                 args, ensure_ascii=False)
-    return obj["name"], "{}"
+    return None  # e.g. {"name": "Ada", "age": 36}: an answer, not a call
 
 
 def _split_json_objects(text: str) -> list[str]:

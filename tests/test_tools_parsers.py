@@ -63,6 +63,7 @@ CASES = [
      ("", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])),
     (Llama3JsonToolStream, "Sunny, {probably}.", ("Sunny, {probably}.", [])),
     (Llama3JsonToolStream, '{"not": "a call"}', ('{"not": "a call"}', [])),
+    (Llama3JsonToolStream, '{"name": "Ada", "age": 36}', ('{"name": "Ada", "age": 36}', [])),
 ]
 
 
