@@ -263,7 +263,7 @@ class DecodeGraphRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     hidden_states = self._forward(size, metadata)
                 self.graphs[size] = _Graph(graph, hidden_states)
-        except RuntimeError as error:
+        except Exception as error:  # CUDA errors (AcceleratorError) and host-sync refusals
             self.graphs.clear()
             logger.warning("CUDA graphs disabled, decode runs eagerly: capture failed (%s)",
                            str(error).splitlines()[0])
