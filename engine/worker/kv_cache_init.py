@@ -59,13 +59,25 @@ def cpu_available_memory_bytes() -> int:
     return 4 << 30
 
 
+# CUDA memory taken after the KV cache is sized, kept out of its share: the decode CUDA
+# graphs' pool (the activations of the largest captured batch), the capture stream's
+# cuBLAS workspace, Triton kernels compiled later, the allocator's rounding. An estimate
+# for models up to ~10B; not yet measured on a GPU.
+CUDA_HEADROOM_BYTES = 512 << 20
+
+
 def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) -> int:
-    """Bytes the KV cache may take, measured after weights and the profiling pass."""
+    """Bytes the KV cache may take, measured after weights and the profiling pass.
+
+    CUDA: device memory x --gpu-memory-utilization, less the profiling pass's peak
+    (weights + activations), less what others (the CUDA context) hold, less the headroom.
+    """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         peak_torch = torch.cuda.max_memory_allocated(device)
         non_torch = (total - free) - torch.cuda.memory_reserved(device)
-        return int(total * cache_config.gpu_memory_utilization) - peak_torch - non_torch
+        budget = int(total * cache_config.gpu_memory_utilization)
+        return budget - peak_torch - non_torch - CUDA_HEADROOM_BYTES
     if cache_config.kv_cache_memory_bytes is not None:
         return cache_config.kv_cache_memory_bytes
     return min(int(cpu_available_memory_bytes() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP_BYTES)
