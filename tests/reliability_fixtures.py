@@ -41,11 +41,13 @@ def start_server(
     max_model_len: int = 256,
     max_num_seqs: int = 64,
     shutdown_timeout_s: float = 5.0,
+    async_scheduling: bool = False,
 ) -> ServerThread:
     """A real server (HTTP, AsyncEngine, core process) over the echo FakeExecutor."""
     return start_fake_server(tokenizer_dir, limits=limits, executor_kwargs=executor_kwargs,
                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             shutdown_timeout_s=shutdown_timeout_s)
+                             shutdown_timeout_s=shutdown_timeout_s,
+                             async_scheduling=async_scheduling)
 
 
 class FakeServerProcess(LoggedServerProcess):

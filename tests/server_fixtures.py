@@ -247,6 +247,7 @@ def build_fake_server(
     limits: ServerLimits | None = None,
     shutdown_timeout_s: float = 5.0,
     log_level: str = "warning",
+    async_scheduling: bool = False,
 ) -> APIServer:
     """A real server (HTTP, AsyncEngine, core process) over the echo FakeExecutor."""
     from transformers import AutoTokenizer
@@ -259,7 +260,8 @@ def build_fake_server(
     kwargs = {"vocab_size": vocab_size, **(executor_kwargs or {})}
     config = EngineConfig(
         model_config=ModelConfig(model=str(tokenizer_dir), max_model_len=max_model_len),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         async_scheduling=async_scheduling),
     )
     spec = ExecutorSpec(f"{FakeExecutor.__module__}:FakeExecutor", kwargs)
     options = ServeOptions(host="127.0.0.1", port=0, api_key=api_key, log_level=log_level,

@@ -2,7 +2,7 @@
 frees its KV blocks at once, streaming or not; afterwards nothing is left running or
 waiting, the KV cache is empty, and the server answers a fresh request at once.
 
-The server runs the echo FakeExecutor (10 ms steps). Requests the test abandons ask
+The server runs the echo FakeExecutor (10 ms steps), with and without async scheduling. Requests the test abandons ask
 for far more tokens than the others, so if an abort did not free them they would
 still be running (and holding blocks) when the test checks.
 """
@@ -26,13 +26,14 @@ SHORT_TOKENS = 40  # requests that run to the end: ~0.4 s
 LONG_TOKENS = 1000  # requests the client abandons: ~10 s if they were not aborted
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sync", "async-scheduling"])
+def server(request, tmp_path_factory):
     tokenizer_dir = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     thread = start_server(
         tokenizer_dir, max_model_len=1100, max_num_seqs=128,
         limits=ServerLimits(max_queued_requests=1024),
-        executor_kwargs={"step_delay_s": STEP_S, "num_blocks": 8192, "max_model_len": 1100})
+        executor_kwargs={"step_delay_s": STEP_S, "num_blocks": 8192, "max_model_len": 1100},
+        async_scheduling=request.param == "async-scheduling")
     yield thread
     thread.stop()
 
@@ -94,7 +95,8 @@ def test_disconnects_free_everything(server):
                 leave = i % 3 == 0  # a third of the streams are abandoned mid-stream
                 n = 2 if i % 4 == 1 else 1
                 body = {"max_tokens": LONG_TOKENS if leave else SHORT_TOKENS,
-                        "temperature": 0 if n == 1 else 1.0, "n": n, "ignore_eos": True}
+                        "temperature": 0 if n == 1 else 1.0, "n": n, "ignore_eos": True,
+                        "stream_options": {"include_usage": True}}
                 if i % 2:
                     path = "/v1/chat/completions"
                     body["messages"] = [{"role": "user", "content": f"hello {i}"}]
@@ -133,23 +135,27 @@ def test_disconnects_free_everything(server):
         finishes = [c["choices"][0]["finish_reason"] for c in chunks
                     if c["choices"] and c["choices"][0]["finish_reason"]]
         assert finishes == ["length"] * n, finishes
+        # Exactly max_tokens per sample: no token streamed past the limit.
+        assert chunks[-1]["usage"]["completion_tokens"] == SHORT_TOKENS * n
     assert num_left == 22 and num_done == 42
 
     # Every abandoned request was aborted: nothing runs or waits, no KV block is held,
     # and each ended as "abort" (or, a dropped one the engine never got, as a failure),
     # none as "length". Left alone they would run for ~10 s more and end as "length": the
     # counts tell, not how soon the gauges reach zero (the deadline is only for a hang).
+    # A dropped request whose handler had not yet passed it to the engine when its client
+    # left is counted once the handler notices: wait for every one to be counted too.
     deadline = time.monotonic() + DEADLINE_S
     while True:
         values = gauges(url)
+        after = finished(url)
+        ended = {reason: after[reason] - before[reason] for reason in after}
         if values == {"num_requests_running": 0, "num_requests_waiting": 0,
-                      "kv_cache_usage_perc": 0}:
+                      "kv_cache_usage_perc": 0} and sum(ended.values()) >= num_done + num_left + 8:
             break
-        assert time.monotonic() < deadline, values
+        assert time.monotonic() < deadline, (values, ended)
         time.sleep(0.05)
     freed_after = time.monotonic() - clients_done
-    after = finished(url)
-    ended = {reason: after[reason] - before[reason] for reason in after}
     assert ended["length"] == num_done and ended["stop"] == 0, ended
     assert ended["abort"] + ended["failed before the engine"] == num_left + 8, ended
     engine = server.server.state.engine
