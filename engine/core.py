@@ -223,9 +223,18 @@ class EngineCore:
 
 
 def _load_tokenizer(model: str):
-    """The model's Hugging Face tokenizer (for grammar compiles; loaded on first use)."""
+    """The model's Hugging Face tokenizer (for grammar compiles; loaded on first use).
+
+    A directory with a tokenizer but no weights (the echo models of the tests) serves
+    its tokenizer as it is."""
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model
+    from engine.model_loader import ModelSourceError, resolve_model
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(model).path))
+    try:
+        path = resolve_model(model).path
+    except ModelSourceError:
+        if not os.path.isdir(model):
+            raise
+        path = model
+    return AutoTokenizer.from_pretrained(str(path))

@@ -202,6 +202,11 @@ async def drive_traffic(url: str, prometheus_url: str, started: float,
         async for _ in stream:
             pass
         seen["stop"] += 1
+        # A constrained request (its grammar is compiled: the compile-time panels).
+        constrained = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0,
+            response_format={"type": "json_object"})
+        seen[constrained.choices[0].finish_reason] += 1
         # A client that leaves mid-stream.
         stream = await client.completions.create(
             model=MODEL, prompt=tokens(300, 5), max_tokens=MAX_MODEL_LEN - 10, stream=True,
