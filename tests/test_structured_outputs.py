@@ -25,9 +25,9 @@ MODEL = "SmolLM2-135M-Instruct"
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 16},
+        "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 10},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 8},
                     "maxItems": 2},
         "pet": {
             "type": "object",
@@ -93,7 +93,7 @@ def stream_text(http, path: str, body: dict) -> tuple[str, str]:
 
 
 def test_json_schema_validates_and_stream_equals_non_stream(http):
-    body = {"max_tokens": 80, "response_format": PERSON_FORMAT}
+    body = {"max_tokens": 60, "response_format": PERSON_FORMAT}
     choice = chat(http, **body)["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
