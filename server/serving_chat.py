@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 
 from fastapi import Request
 
@@ -48,8 +47,7 @@ from server.serving_common import (
     usage_chunk_for,
 )
 from server.state import ServerState
-from server.structured_outputs import check_params, requested_params, structured_outputs_of
-from server.tools import plan_tools
+from server.tools import plan_output
 
 
 def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoiceLogProbs:
@@ -74,17 +72,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
                           "invalid_value")
     num_top = body.top_logprobs or 0
-    plan = plan_tools(body, state.tool_call_parser)
-    if plan.structured_outputs is not None:
-        if (requested := requested_params(body)) is not None:
-            raise bad_request(f"tool_choice {plan.mode!r} cannot be combined with "
-                              f"{requested[0]}.", "tool_choice", "invalid_value")
-        structured_outputs = plan.structured_outputs
-        await check_params("tools", structured_outputs)
-    else:
-        structured_outputs = await structured_outputs_of(body)
-        if structured_outputs is not None and plan.mode == "auto":
-            plan = replace(plan, mode="none", parser=None)  # the format decides: no calls
+    plan, structured_outputs = await plan_output(body, state.tool_call_parser)
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     try:
         params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,

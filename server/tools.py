@@ -16,12 +16,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from engine.structured_output import StructuredOutputsParams
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatTool
+from server.structured_outputs import check_params, requested_params, structured_outputs_of
 from server.tool_parsers import (
     NamedToolStream,
     RequiredToolStream,
@@ -55,6 +56,26 @@ class ToolPlan:
         if self.mode == "auto":
             return make_auto_stream(self.parser, self.parallel)
         return None
+
+
+async def plan_output(body: ChatCompletionRequest, default_parser: str | None
+                      ) -> tuple[ToolPlan, StructuredOutputsParams | None]:
+    """The request's ToolPlan and the grammar its output follows (checked), if any.
+
+    "required" / a named function bring their own grammar (then a response_format too is
+    a 400); with "auto" and a response_format, the format decides and no calls are parsed.
+    """
+    plan = plan_tools(body, default_parser)
+    if plan.structured_outputs is not None:
+        if (requested := requested_params(body)) is not None:
+            raise bad_request(f"tool_choice {plan.mode!r} cannot be combined with "
+                              f"{requested[0]}.", "tool_choice", "invalid_value")
+        await check_params("tools", plan.structured_outputs)
+        return plan, plan.structured_outputs
+    structured_outputs = await structured_outputs_of(body)
+    if structured_outputs is not None and plan.mode == "auto":
+        plan = replace(plan, mode="none", parser=None)
+    return plan, structured_outputs
 
 
 def plan_tools(body: ChatCompletionRequest, default_parser: str | None) -> ToolPlan:
