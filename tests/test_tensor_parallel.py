@@ -230,3 +230,18 @@ def test_a_rank_that_cannot_start_fails_start_up_in_one_line(tmp_path):
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("tensor-parallel rank 0 failed to start: "), message
+
+
+def test_ranks_get_the_starters_environment(monkeypatch):
+    """A forkserver keeps the environment of its start; each rank applies the starter's."""
+    import os
+
+    from engine.distributed.worker_proc import apply_env, env_snapshot
+
+    monkeypatch.setenv("PAGEDSERVE_QUANT_MAX_ROWS", "3")
+    snapshot = env_snapshot()
+    monkeypatch.setenv("PAGEDSERVE_QUANT_MAX_ROWS", "7")
+    monkeypatch.setenv("PAGEDSERVE_STALE_SETTING", "1")
+    apply_env(snapshot)
+    assert os.environ["PAGEDSERVE_QUANT_MAX_ROWS"] == "3"
+    assert "PAGEDSERVE_STALE_SETTING" not in os.environ

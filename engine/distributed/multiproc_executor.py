@@ -42,7 +42,7 @@ from engine.distributed.messages import (
     core_side_codec,
 )
 from engine.distributed.sharding import check_tensor_parallel
-from engine.distributed.worker_proc import WorkerSpec, rank_identity, run_worker
+from engine.distributed.worker_proc import WorkerSpec, env_snapshot, rank_identity, run_worker
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.executor import RankInfo, choose_num_blocks, resolve_device
@@ -133,7 +133,7 @@ def worker_specs(config: EngineConfig, node_rank: int, dist_init_method: str,
             dist_init_method=dist_init_method, dist_backend=dist_backend(device),
             control_address=control_address,
             cpus=cpus if device.type == "cpu" else (), num_threads=threads,
-            log_level=log_level, ignore_signals=ignore_signals))
+            log_level=log_level, ignore_signals=ignore_signals, env=env_snapshot()))
     return specs
 
 
@@ -291,27 +291,42 @@ class MultiprocExecutor:
             if not events:
                 self._fail(f"worker ranks did not start within {timeout_s:.0f} s "
                            f"({len(got)} of {expected} ready)", starting)
+            # Messages first: a rank that failed said why before it exited.
+            while self._router.poll(0):
+                message = self._receive(starting)
+                if isinstance(message, kind):
+                    got[getattr(message, "rank", 0)] = message
             for fd, rank in sentinels.items():
                 if fd in events:
                     self._rank_died(rank, starting)
             if self._monitor in events:
                 self._monitor.recv_multipart()
                 self._remote_disconnected(sentinels, starting)
-            if self._router in events:
-                _, data = self._router.recv_multipart(copy=False)
-                message = self._codec.decode(data.buffer)
-                if isinstance(message, WorkerFailed):
-                    logger.debug("rank %d traceback:\n%s", message.rank, message.traceback)
-                    verb = "failed to start" if starting else "failed"
-                    self._fail(f"tensor-parallel rank {message.rank} {verb}: {message.message}",
-                               starting)
-                if isinstance(message, kind):
-                    got[getattr(message, "rank", 0)] = message
         return [got[rank] for rank in sorted(got)]
+
+    def _receive(self, starting: bool):
+        """The next message from a rank; a WorkerFailed ends the engine (or its start)."""
+        _, data = self._router.recv_multipart(copy=False)
+        message = self._codec.decode(data.buffer)
+        if isinstance(message, WorkerFailed):
+            logger.debug("rank %d traceback:\n%s", message.rank, message.traceback)
+            # A rank whose peer was killed fails in its next collective: name the dead
+            # peer (and its signal), the cause, rather than the symptom.
+            others = {p.sentinel: rank for rank, p in self.processes.items()
+                      if rank != message.rank}
+            for fd in multiprocessing.connection.wait(list(others), timeout=0.5):
+                logger.error("tensor-parallel rank %d: %s", message.rank, message.message)
+                self._rank_died(others[fd], starting)
+            verb = "failed to start" if starting else "failed"
+            self._fail(f"tensor-parallel rank {message.rank} {verb}: {message.message}",
+                       starting)
+        return message
 
     def _rank_died(self, rank: int, starting: bool) -> None:
         process = self.processes[rank]
         process.join(timeout=1)
+        while self._router.poll(0):  # its own last word, if it had time to send one
+            self._receive(starting)
         self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died: "
                    f"{describe_exit(process.exitcode)}", starting)
 

@@ -49,9 +49,28 @@ class WorkerSpec:
     cpus: tuple[int, ...]  # pin to these (empty: do not pin)
     num_threads: int
     log_level: str = "INFO"
+    # The starter's settings read from the environment (PAGEDSERVE_*, OMP_*, NCCL_*, ...):
+    # a forkserver started earlier holds the environment of that moment, not this one.
+    env: tuple[tuple[str, str], ...] = ()
     # Ranks the engine core spawned ignore SIGINT/SIGTERM: the server drains first and
     # then stops them (Stop); a terminal's Ctrl-C must not kill them mid-drain.
     ignore_signals: bool = True
+
+
+ENV_PREFIXES = ("PAGEDSERVE_", "OMP_", "KMP_", "GLOO_", "NCCL_", "CUDA_VISIBLE_DEVICES",
+                "TORCH_", "HF_")
+
+
+def env_snapshot() -> tuple[tuple[str, str], ...]:
+    """The settings of this process's environment a worker rank must see."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)))
+
+
+def apply_env(env: tuple[tuple[str, str], ...]) -> None:
+    """Make this process's settings exactly `env` (those with ENV_PREFIXES)."""
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIXES)]:
+        del os.environ[key]
+    os.environ.update(dict(env))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -80,6 +99,7 @@ def run_worker(spec: WorkerSpec) -> None:
     from engine.worker.executor import Worker
 
     rank = spec.rank.rank
+    apply_env(spec.env)
     if spec.ignore_signals:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
