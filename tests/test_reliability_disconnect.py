@@ -143,21 +143,22 @@ def test_disconnects_free_everything(server):
     # and each ended as "abort" (or, a dropped one the engine never got, as a failure),
     # none as "length". Left alone they would run for ~10 s more and end as "length": the
     # counts tell, not how soon the gauges reach zero (the deadline is only for a hang).
-    # A dropped request whose handler had not yet passed it to the engine when its client
-    # left is counted once the handler notices: wait for every one to be counted too.
+    # The 8 dropped non-streamed requests may end before any handler read them (the
+    # client gives up after 0.4 s; then the server counts nothing for them) or be
+    # counted when their handler notices: from 0 to 8 of them are counted.
     deadline = time.monotonic() + DEADLINE_S
     while True:
         values = gauges(url)
         after = finished(url)
         ended = {reason: after[reason] - before[reason] for reason in after}
         if values == {"num_requests_running": 0, "num_requests_waiting": 0,
-                      "kv_cache_usage_perc": 0} and sum(ended.values()) >= num_done + num_left + 8:
+                      "kv_cache_usage_perc": 0} and ended["abort"] >= num_left:
             break
         assert time.monotonic() < deadline, (values, ended)
         time.sleep(0.05)
     freed_after = time.monotonic() - clients_done
     assert ended["length"] == num_done and ended["stop"] == 0, ended
-    assert ended["abort"] + ended["failed before the engine"] == num_left + 8, ended
+    assert num_left <= ended["abort"] + ended["failed before the engine"] <= num_left + 8, ended
     engine = server.server.state.engine
     assert engine.num_unfinished_requests == 0 and engine.num_queued_sequences == 0
     assert not server.server.state.lifecycle.active
