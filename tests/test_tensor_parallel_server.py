@@ -134,6 +134,7 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+@pytest.mark.extended
 def test_two_nodes_on_loopback_then_sigterm_stops_every_rank(model_dir):
     """Node 0 (server, engine core, rank 0) and node 1 (rank 1 only) on 127.0.0.1; SIGTERM
     to the server stops both nodes' ranks within the drain timeout."""

@@ -31,6 +31,7 @@ def test_tp2_fails_at_start_up_with_one_line():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.extended
 def test_tp3_greedy_tokens_equal_tp1():
     def run(size: int) -> list[list[int]]:
         with LLM(dtype="float32", max_model_len=256, kv_cache_memory="32M",
