@@ -169,9 +169,7 @@ class EngineCore:
                 scheduled_at))
         elif scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
             self._submit(scheduler_output, None)  # the runner forgets them, in step order
-        if not self._in_flight:
-            return self.idle_outputs()
-        if started_pipeline:
+        if started_pipeline or not self._in_flight:
             return self.idle_outputs()
         step = self._in_flight.popleft()
         try:
