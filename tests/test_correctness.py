@@ -102,16 +102,24 @@ def test_preemption_matches(arch_case):
     assert preemptions[0] > 0
 
 
-def test_all_three_at_once(arch_case):
-    model_dir, _, _, shared, shared_ref = arch_case
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-              num_gpu_blocks_override=24)
+def assert_all_three_match(llm: LLM, shared, shared_ref: Reference) -> None:
+    """Two runs of the shared-prefix prompts on an engine built to chunk and preempt:
+    both match the reference, preemptions happened, the second run hit the prefix cache,
+    and every block is free afterwards."""
     preemptions = count_preemptions(llm)
     assert_matches(generate_ids(llm, shared), shared_ref)
     second = llm.generate(shared, GREEDY, use_tqdm=False)
     assert_matches([o.outputs[0].token_ids for o in second], shared_ref)
     assert preemptions[0] > 0
     assert any(o.num_cached_tokens > 0 for o in second)
+    assert llm.engine_core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_all_three_at_once(arch_case):
+    model_dir, _, _, shared, shared_ref = arch_case
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              num_gpu_blocks_override=24)
+    assert_all_three_match(llm, shared, shared_ref)
 
 
 def test_async_scheduling_matches(arch_case):
@@ -120,13 +128,7 @@ def test_async_scheduling_matches(arch_case):
     model_dir, _, _, shared, shared_ref = arch_case
     llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
               num_gpu_blocks_override=24, async_scheduling=True)
-    preemptions = count_preemptions(llm)
-    assert_matches(generate_ids(llm, shared), shared_ref)
-    second = llm.generate(shared, GREEDY, use_tqdm=False)
-    assert_matches([o.outputs[0].token_ids for o in second], shared_ref)
-    assert preemptions[0] > 0
-    assert any(o.num_cached_tokens > 0 for o in second)
-    assert llm.engine_core.scheduler.kv_cache_manager.usage == 0
+    assert_all_three_match(llm, shared, shared_ref)
 
 
 def test_async_scheduling_stops_like_sync(tmp_path):

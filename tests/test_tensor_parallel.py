@@ -29,6 +29,7 @@ from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
 from tests.model_fixtures import build_tiny_checkpoint, tiny_config
+from tests.test_correctness import count_preemptions
 
 NUM_NEW_TOKENS = 12
 PROMPT_LENS = [5, 60, 17, 100, 40, 9]
@@ -125,15 +126,7 @@ def run_engine(model_dir, quantization: str, tensor_parallel_size: int, prompts)
     with LLM(str(model_dir), dtype="float32", quantization=quantization, max_model_len=256,
              max_num_batched_tokens=32, num_gpu_blocks_override=10,
              tensor_parallel_size=tensor_parallel_size) as llm:
-        preemptions = [0]
-        step = llm.engine_core.step
-
-        def counting_step():
-            outputs = step()
-            preemptions[0] += outputs.scheduler_stats.num_preemptions
-            return outputs
-
-        llm.engine_core.step = counting_step
+        preemptions = count_preemptions(llm)
         first = llm.generate(prompts, PARAMS, use_tqdm=False)
         second = llm.generate(prompts, PARAMS, use_tqdm=False)
     return first, second, preemptions[0]
