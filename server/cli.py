@@ -121,6 +121,13 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         parser.add_argument(name, type=type, default=value,
                             help=f"{help}{shown} [env: {env}]", **kwargs)
 
+    def switch(name: str, help: str, *, default: bool, negatable: bool = False) -> None:
+        """A boolean flag (`--no-...` too when `negatable`), defaulted from its variable."""
+        env = env_name(name)
+        action = argparse.BooleanOptionalAction if negatable else "store_true"
+        parser.add_argument(name, action=action, default=_env_bool(env, default),
+                            help=f"{help} [env: {env}=1|0]")
+
     parser.add_argument("model_tag", nargs="?", default=None,
                         help="The model, as a positional argument (same as --model).")
     flag("--model", "A local Hugging Face model directory, a .gguf file, or a model id. "
@@ -154,11 +161,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          default=str(CacheConfig.gpu_memory_utilization))
     flag("--num-gpu-blocks-override", "Use exactly this many KV-cache blocks (testing).",
          type=_positive_int)
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-        default=_env_bool(env_name("--enable-prefix-caching"), True),
-        help="Reuse the KV cache of shared prompt prefixes (default: on). "
-             "[env: PAGEDSERVE_ENABLE_PREFIX_CACHING=1|0]")
+    switch("--enable-prefix-caching", "Reuse the KV cache of shared prompt prefixes "
+           "(default: on).", default=True, negatable=True)
     flag("--dtype", "Activation and dense-weight dtype; 'auto' on CPU picks bfloat16 where "
          "the CPU has native bf16 (avx512_bf16/AMX) and float32 elsewhere; on CUDA it follows "
          "the checkpoint.",
@@ -194,18 +198,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "CUDA, triton (any power-of-two --block-size from 16) or flash_attn where it is "
          "installed and --block-size is a multiple of 256.",
          choices=["auto", "torch", "flash_attn", "triton"], default="auto")
-    parser.add_argument(
-        "--async-scheduling", action="store_true",
-        default=_env_bool(env_name("--async-scheduling"), False),
-        help="Schedule the next step while the current one runs, so the engine's own "
-             "work (scheduling, outputs) overlaps the model instead of adding to it. "
-             "[env: PAGEDSERVE_ASYNC_SCHEDULING=1|0]")
-    parser.add_argument(
-        "--enforce-eager", action="store_true",
-        default=_env_bool(env_name("--enforce-eager"), False),
-        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at "
-             "start-up for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs. "
-             "[env: PAGEDSERVE_ENFORCE_EAGER=1|0]")
+    switch("--async-scheduling", "Schedule the next step while the current one runs, so "
+           "the engine's own work (scheduling, outputs) overlaps the model instead of adding "
+           "to it.", default=False)
+    switch("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
+           "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
+           "--max-num-seqs.", default=False)
     flag("--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
          "comma-separated list (e.g. '[\"*\"]'). Default: none (no CORS headers).",
          type=_origins)
@@ -230,17 +228,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--request-timeout", "Abort a request still running after this many seconds "
          "(finish_reason 'abort' and a request_timeout error). Default: no deadline.",
          type=_positive_seconds)
-    parser.add_argument(
-        "--xray", action=argparse.BooleanOptionalAction,
-        default=_env_bool(env_name("--xray"), True),
-        help="Serve the engine x-ray: GET /xray, a live page of the scheduler, the KV block "
-             "pool and the prefix cache, and GET /xray/state, its JSON (default: on; "
-             "--no-xray removes both). [env: PAGEDSERVE_XRAY=1|0]")
-    parser.add_argument(
-        "--xray-show-text", action="store_true",
-        default=_env_bool(env_name("--xray-show-text"), False),
-        help="Show prompt and output text on /xray (default: token counts, block ids and "
-             "hashes only). [env: PAGEDSERVE_XRAY_SHOW_TEXT=1|0]")
+    switch("--xray", "Serve the engine x-ray: GET /xray, a live page of the scheduler, the KV "
+           "block pool and the prefix cache, and GET /xray/state, its JSON (default: on; "
+           "--no-xray removes both).", default=True, negatable=True)
+    switch("--xray-show-text", "Show prompt and output text on /xray (default: token counts, "
+           "block ids and hashes only).", default=False)
     # Chat: tool calls and reasoning (server/tools.py, server/reasoning.py).
     flag("--tool-call-parser", "How tool_choice 'auto' finds tool calls in the output: "
          "'hermes' (<tool_call> JSON, Qwen2/Qwen3), 'llama3_json' (Llama 3 JSON calls), "
