@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -182,6 +183,36 @@ def stop(process: subprocess.Popen) -> None:
     while signal_group(0) and time.monotonic() < deadline:
         time.sleep(0.5)
     signal_group(signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def warmed_pagedserve(args: argparse.Namespace, model_dir: str) -> Iterator[str]:
+    """pagedserve on 127.0.0.1:`args.port` (log: `args.result_dir`/server.log), warmed by
+    one run of `args.clients` prompts; yields its base URL and stops it afterwards.
+    For the A/B benchmarks that load one server (xray_overhead, structured_outputs)."""
+    base_url = f"http://127.0.0.1:{args.port}"
+    command = server_command(args, "pagedserve", model_dir, None, args.port)
+    log_path = Path(args.result_dir) / "server.log"
+    print(f"[server] {shlex.join(command)}  (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            wait_until_ready(base_url, process, args.startup_timeout)
+            warm = bench_args(args, "pagedserve", base_url, model_dir, args.clients, None,
+                              num_prompts=args.clients, num_warmups=1)
+            if bench_serve.main(warm) != 0:
+                raise RuntimeError("warm-up run failed")
+            yield base_url
+        finally:
+            stop(process)
+
+
+def abba_order(rounds: int) -> list[bool]:
+    """Without (False) and with (True), in ABBA order so a machine's drift cancels out:
+    rounds=2 -> [False, True, True, False]."""
+    return [variant for r in range(rounds)
+            for variant in ((False, True) if r % 2 == 0 else (True, False))]
 
 
 def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: str,

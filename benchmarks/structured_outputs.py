@@ -22,7 +22,6 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,11 +30,10 @@ import httpx
 
 from benchmarks import serve as bench_serve
 from benchmarks.compare_servers import (
+    abba_order,
     bench_args,
     check_output_tokens,
-    server_command,
-    stop,
-    wait_until_ready,
+    warmed_pagedserve,
 )
 
 CATALOG = {
@@ -170,30 +168,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_runs(args: argparse.Namespace, model_dir: str) -> dict:
-    base_url = f"http://127.0.0.1:{args.port}"
-    command = server_command(args, "pagedserve", model_dir, None, args.port)
-    log_path = Path(args.result_dir) / "server.log"
-    print(f"[server] {shlex.join(command)}  (log: {log_path})", flush=True)
     runs: list[tuple[bool, dict]] = []
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            wait_until_ready(base_url, process, args.startup_timeout)
-            warm = bench_args(args, "pagedserve", base_url, model_dir, args.clients, None,
-                              num_prompts=args.clients, num_warmups=1)
-            if bench_serve.main(warm) != 0:
-                raise RuntimeError("warm-up run failed")
-            order = [constrained for r in range(args.rounds)
-                     for constrained in ((False, True) if r % 2 == 0 else (True, False))]
-            for index, constrained in enumerate(order):
-                label = f"run{index + 1}-{'json_schema' if constrained else 'free'}"
-                print(f"[{label}]", flush=True)
-                runs.append((constrained, run_level(args, base_url, model_dir, label,
-                                                    constrained)))
-            compile_sum, compile_count = server_compile_seconds(base_url)
-        finally:
-            stop(process)
+    with warmed_pagedserve(args, model_dir) as base_url:
+        for index, constrained in enumerate(abba_order(args.rounds)):
+            label = f"run{index + 1}-{'json_schema' if constrained else 'free'}"
+            print(f"[{label}]", flush=True)
+            runs.append((constrained, run_level(args, base_url, model_dir, label,
+                                                constrained)))
+        compile_sum, compile_count = server_compile_seconds(base_url)
 
     print(f"\n{args.clients} clients x {args.prompts_per_client} prompts, "
           f"{args.input_len} -> {args.output_len} tokens; {model_dir}")
