@@ -2,6 +2,8 @@
 
     python -m benchmarks.throughput --dtype bfloat16            # default model
     python -m benchmarks.throughput --model DIR --num-prompts 64 --dtype float32
+    python -m benchmarks.throughput --model MOE_DIR --skip-transformers \
+        --tensor-parallel-size 2 [--enable-expert-parallel]     # MoE: TP vs EP experts
 
 The workload is seeded: `--num-prompts` prompts of random token ids with lengths
 drawn from [--input-min, --input-max] and output lengths from [--output-min,
@@ -72,6 +74,9 @@ def run_pagedserve(args: argparse.Namespace, workload: Workload) -> ThroughputRe
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
@@ -136,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2G")
+    parser.add_argument("--quantization", default="auto",
+                        help="pagedserve's --quantization (auto: its default)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE with --tensor-parallel-size > 1: split whole experts")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--result-file", default=None, help="write the results as JSON")

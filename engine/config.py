@@ -57,6 +57,8 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # MoE experts: whole experts split over the ranks instead of every expert's columns.
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)

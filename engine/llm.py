@@ -96,6 +96,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ):
         from transformers import AutoTokenizer
 
@@ -120,7 +121,8 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill, policy=policy,
                 async_scheduling=async_scheduling,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                           enable_expert_parallel=enable_expert_parallel),
             device_config=DeviceConfig(device=device, attention_backend=attention_backend),
         )
         self.engine_core = EngineCore(config)

@@ -185,6 +185,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "(NCCL on CUDA, gloo on CPU). The attention heads, KV heads (or ranks, when fewer "
          "KV heads), intermediate and MoE intermediate sizes must divide evenly.",
          type=_positive_int, default="1")
+    switch("--enable-expert-parallel", "MoE models with --tensor-parallel-size > 1: each rank "
+           "holds whole experts, an equal share of them (expert parallel), instead of every "
+           "expert's share of columns (tensor parallel). The number of experts must divide.",
+           default=False)
     flag("--nnodes", "Hosts the tensor-parallel ranks span (torchrun's meaning); each runs "
          "tensor-parallel-size / nnodes ranks.", type=_positive_int, default="1")
     flag("--node-rank", "This host's index among --nnodes: 0 runs the HTTP server and the "
@@ -283,7 +287,8 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
             node_rank=args.node_rank, master_addr=args.master_addr,
-            master_port=args.master_port),
+            master_port=args.master_port,
+            enable_expert_parallel=args.enable_expert_parallel),
         device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend,
                                    cpu_threads=args.cpu_threads, cpu_layout=args.cpu_layout),
     )

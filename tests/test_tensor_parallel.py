@@ -115,17 +115,20 @@ CASES = {
     "qwen3-tied-padded-vocab": ("qwen3", {"vocab_size": 511, "tie_word_embeddings": True},
                                 "none"),
     "qwen3_moe": ("qwen3_moe", {}, "none"),
+    "qwen3_moe-expert-parallel": ("qwen3_moe", {}, "none"),
     "llama-int4": ("llama", {}, "int4"),
 }
 
 
-def run_engine(model_dir, quantization: str, tensor_parallel_size: int, prompts):
+def run_engine(model_dir, quantization: str, tensor_parallel_size: int, prompts,
+               enable_expert_parallel: bool = False):
     """Two passes over `prompts` (the second hits the prefix cache); outputs and the
     number of preemptions seen."""
     # 10 blocks of 16 tokens: the longest request (112 tokens) fits, all six do not.
     with LLM(str(model_dir), dtype="float32", quantization=quantization, max_model_len=256,
              max_num_batched_tokens=32, num_gpu_blocks_override=10,
-             tensor_parallel_size=tensor_parallel_size) as llm:
+             tensor_parallel_size=tensor_parallel_size,
+             enable_expert_parallel=enable_expert_parallel) as llm:
         preemptions = count_preemptions(llm)
         first = llm.generate(prompts, PARAMS, use_tqdm=False)
         second = llm.generate(prompts, PARAMS, use_tqdm=False)
@@ -138,7 +141,8 @@ def test_tp2_matches_tp1_and_transformers(case, tmp_path):
     model_dir = build_tiny_checkpoint(tmp_path / arch, arch, **overrides)
     prompts = make_prompts()
     one = run_engine(model_dir, quantization, 1, prompts)
-    two = run_engine(model_dir, quantization, 2, prompts)
+    two = run_engine(model_dir, quantization, 2, prompts,
+                     enable_expert_parallel=case.endswith("expert-parallel"))
 
     assert two[2] > 0, "the case was meant to preempt"
     assert any(o.num_cached_tokens > 0 for o in two[1]), "the second pass hit no prefix"
@@ -202,6 +206,49 @@ def test_sharded_linears_keep_their_shapes():
     assert model.model.embed_tokens.vocab_rows == RowRange(256, 255)
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (8, 32, 64) and experts.down_proj.shape == (8, 64, 16)
+
+
+def test_expert_parallel_ranks_sum_to_the_whole_block():
+    """Expert parallel: rank r of 2 holds experts [4r, 4r + 4) whole, loaded from either
+    checkpoint layout, and the two ranks' outputs add up to one rank's (the all-reduce)."""
+    from engine.distributed.parallel_state import set_tp_group_for_tests
+    from engine.models.moe import FusedExperts
+
+    torch.manual_seed(0)
+    num_experts, hidden, inter, tokens, top_k = 8, 16, 12, 10, 2
+    gate_up = torch.randn(num_experts, 2 * inter, hidden)
+    down = torch.randn(num_experts, hidden, inter)
+    x = torch.randn(tokens, hidden)
+    topk_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, top_k)
+
+    def build(rank: int, size: int, expert_parallel: bool, per_expert: bool) -> FusedExperts:
+        try:
+            set_tp_group_for_tests(rank, size, expert_parallel)
+            layer = FusedExperts(num_experts, hidden, inter)
+        finally:
+            set_tp_group_for_tests(0, 1)
+        if per_expert:  # one tensor per expert and projection, as HF checkpoints store them
+            filled = 0
+            for e in range(num_experts):
+                filled += layer.load_shard("gate_up_proj", gate_up[e, :inter], (e, 0))
+                filled += layer.load_shard("gate_up_proj", gate_up[e, inter:], (e, 1))
+                filled += layer.load_shard("down_proj", down[e], (e, 0))
+            assert filled == layer.gate_up_proj.numel() + layer.down_proj.numel()
+        else:
+            layer.load_shard("gate_up_proj", gate_up, None)
+            layer.load_shard("down_proj", down, None)
+        return layer
+
+    whole = build(0, 1, False, False)(x, topk_ids, topk_weights)
+    for per_expert in (False, True):
+        ranks = [build(rank, 2, True, per_expert) for rank in range(2)]
+        assert [(r.experts.start, r.experts.size) for r in ranks] == [(0, 4), (4, 4)]
+        assert ranks[1].gate_up_proj.shape == (4, 2 * inter, hidden)
+        assert torch.equal(ranks[1].down_proj[0], down[4])
+        parts = [r(x, topk_ids, topk_weights) for r in ranks]
+        assert torch.allclose(parts[0] + parts[1], whole, atol=1e-5)
+        assert not torch.equal(parts[0], whole)  # each rank really computed only its share
 
 
 def test_a_rank_that_cannot_start_fails_start_up_in_one_line(tmp_path):

@@ -22,6 +22,9 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
+    # MoE layers: True = each rank holds whole experts, a 1/size share of them (expert
+    # parallel); False = every rank holds every expert's 1/size share of columns.
+    expert_parallel: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -57,21 +60,22 @@ def get_tp_group() -> TensorParallelGroup:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,
-                         timeout_s: float = 600.0) -> TensorParallelGroup:
+                         timeout_s: float = 600.0,
+                         expert_parallel: bool = False) -> TensorParallelGroup:
     """Join the process group (`init_method` e.g. "tcp://127.0.0.1:29500") as `rank`."""
     global _GROUP
     if size > 1:
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
                                 world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    _GROUP = TensorParallelGroup(rank, size)
+    _GROUP = TensorParallelGroup(rank, size, expert_parallel)
     return _GROUP
 
 
-def set_tp_group_for_tests(rank: int, size: int) -> None:
+def set_tp_group_for_tests(rank: int, size: int, expert_parallel: bool = False) -> None:
     """Build models as rank `rank` of `size` without a process group (shape tests only)."""
     global _GROUP
-    _GROUP = TensorParallelGroup(rank, size)
+    _GROUP = TensorParallelGroup(rank, size, expert_parallel)
 
 
 def destroy_tensor_parallel() -> None:

@@ -134,7 +134,9 @@ def run_worker(spec: WorkerSpec) -> None:
                     "thread(s)%s", spec.dist_backend, spec.dist_init_method, rank,
                     spec.rank.size, spec.num_threads,
                     f" on CPUs {list(spec.cpus)}" if spec.cpus else "")
-        init_tensor_parallel(rank, spec.rank.size, spec.dist_init_method, spec.dist_backend)
+        init_tensor_parallel(
+            rank, spec.rank.size, spec.dist_init_method, spec.dist_backend,
+            expert_parallel=spec.config.parallel_config.enable_expert_parallel)
         worker = Worker(spec.config, spec.rank)
         fits = worker.load()
         send(WorkerReady(rank, os.getpid(), fits, worker.max_model_len, worker.vocab_size))
