@@ -624,3 +624,55 @@ def test_empty_batch():
     md = state.make_metadata(np.array([], dtype=np.int64))
     out = Sampler()(torch.zeros(0, 10), md)
     assert out.sampled_token_ids.shape == (0,) and out.logprobs is None
+
+
+# ----------------------------------------------------------------- greedy argmax
+def test_greedy_argmax_matches_torch_ties_and_nan():
+    """numpy's argmax (the CPU path) picks what torch.argmax picks: the lowest index
+    among ties, NaN as the largest value, all -inf -> 0; also for a subset of rows."""
+    from engine.sample.sampler import greedy_argmax
+
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [1.0, 3.0, 3.0, 0.0, 3.0],      # tie: 1
+        [2.0, nan, 5.0, nan, 0.0],      # NaN: the first NaN
+        [-inf, -inf, -inf, -inf, -inf],  # masked row: 0
+        [0.0, inf, 1.0, inf, 2.0],      # +inf tie: 1
+        [7.0, 7.0, 7.0, 7.0, 7.0],      # all equal: 0
+        [0.0, 0.0, 0.0, 0.0, 9.0],
+    ])
+    expected = logits.argmax(dim=-1)
+    assert greedy_argmax(logits).tolist() == expected.tolist() == [1, 1, 0, 1, 0, 4]
+    rows = np.array([0, 1, 3, 5])
+    assert greedy_argmax(logits, rows).tolist() == expected[rows].tolist()
+    assert greedy_argmax(logits, np.zeros(0, np.int64)).tolist() == []
+    big = torch.randn(37, 1000)
+    big[:, 17] = big[:, 400] = big.max() + 1  # every row ties at 17 and 400
+    assert greedy_argmax(big).tolist() == [17] * 37
+    rows = np.array([0, 1, 2, 9, 11, 12, 36])
+    random = torch.randn(37, 1000)
+    assert greedy_argmax(random, rows).tolist() == random.argmax(dim=-1)[rows].tolist()
+    assert greedy_argmax(random.to(torch.float64), rows).tolist() == \
+        random.argmax(dim=-1)[rows].tolist()
+
+
+def test_mixed_batch_reads_greedy_rows_only(monkeypatch):
+    """In a greedy + random batch the argmax runs over the greedy rows only."""
+    import engine.sample.sampler as sampler_module
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    state, rows = make_state(params, 50)
+    logits = torch.randn(4, 50)
+    expected_greedy = logits.argmax(dim=-1)
+    seen = []
+    real = sampler_module.greedy_argmax
+
+    def spy(x, greedy_rows=None):
+        seen.append(None if greedy_rows is None else greedy_rows.tolist())
+        return real(x, greedy_rows)
+
+    monkeypatch.setattr(sampler_module, "greedy_argmax", spy)
+    out = Sampler()(logits.clone(), state.make_metadata(rows)).sampled_token_ids
+    assert seen == [[0, 2, 3]]
+    assert out[[0, 2, 3]].tolist() == expected_greedy[[0, 2, 3]].tolist()

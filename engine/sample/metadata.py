@@ -28,6 +28,8 @@ class SamplingMetadata:
     all_random: bool
     # [B] bool, True for greedy rows; None when all_greedy or all_random.
     is_greedy: torch.Tensor | None = None
+    # The same as increasing batch positions (numpy), when is_greedy is set.
+    greedy_rows: np.ndarray | None = None
     # [B] float32, 1.0 on greedy rows; None when every random row has temperature 1.
     temperature: torch.Tensor | None = None
     # [B] long, vocab_size where disabled; None when no random row uses top-k.
@@ -63,6 +65,16 @@ class SamplingMetadata:
     # [B] requested top-N logprobs per row, -1 = no logprobs.
     num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     max_num_logprobs: int | None = None  # None: no row wants logprobs
+
+    def greedy_positions(self) -> np.ndarray:
+        """Batch positions of the greedy rows, increasing."""
+        if self.all_greedy:
+            return np.arange(self.num_reqs)
+        if self.all_random:
+            return np.zeros(0, np.int64)
+        if self.greedy_rows is None:
+            self.greedy_rows = np.flatnonzero(self.is_greedy.cpu().numpy())
+        return self.greedy_rows
 
     @property
     def no_top_k(self) -> bool:

@@ -15,7 +15,8 @@ Processing order (each stage is skipped when no row of the batch needs it):
   5. logprobs are log_softmax of these processed, *untempered* logits: the
      sampled token's value and rank and the top-N (N = the batch's largest
      request; the caller trims per row);
-  6. greedy rows: argmax of the processed logits;
+  6. greedy rows: argmax of the processed logits (`greedy_argmax`: one read of each
+     greedy row and of no other; numpy's SIMD argmax on the CPU);
   7. random rows: divide by temperature, then top-k, top-p (on the top-k
      renormalised distribution; keeps the smallest set of best tokens whose mass
      reaches top_p, always at least one), min-p (drop tokens whose probability
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,12 +78,15 @@ class Sampler:
         logits = process_logits(logits, md)
         logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits)
         else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
+            # Greedy rows first (the random path below divides the logits in place);
+            # only the greedy rows are read.
+            greedy_rows = None if md.all_random else md.greedy_positions()
+            greedy = None if greedy_rows is None else greedy_argmax(logits, greedy_rows)
             sampled = self._sample_random(logits, md)
             if greedy is not None:
-                sampled = torch.where(md.is_greedy, greedy, sampled)
+                sampled[torch.from_numpy(greedy_rows).to(sampled.device)] = greedy
         lp = None
         if logprobs is not None:
             lp = gather_logprobs(logprobs, sampled, min(md.max_num_logprobs, logits.shape[-1]))
@@ -147,6 +152,33 @@ class Sampler:
         noise.log_()
         best = probs.div_(noise).argmin(dim=-1, keepdim=True)
         return ids.gather(1, best).squeeze(1)
+
+
+def greedy_argmax(logits: torch.Tensor, rows: np.ndarray | None = None) -> torch.Tensor:
+    """argmax over the vocab of every row of `logits` [B, V] (or of `rows` only, an
+    increasing array of row indices): [B] (or [len(rows)]) long. Ties go to the lowest
+    index and NaN counts as the largest value, as in torch.argmax.
+
+    Each row is read once. On the CPU this is numpy's argmax (SIMD; at [256, 49152]
+    float32 it runs at memory speed, ~3x torch's one-thread argmax on this project's
+    AVX2 machine); `rows` are taken as runs of consecutive rows (views, no copy).
+    """
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        if rows is None:
+            return logits.argmax(dim=-1)
+        return logits[torch.from_numpy(rows).to(logits.device)].argmax(dim=-1)
+    array = logits.detach().numpy()
+    if rows is not None and len(rows) == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if rows is None:
+        return torch.from_numpy(array.argmax(axis=-1).astype(np.int64, copy=False))
+    # Worked example: rows [0, 1, 2, 5, 7, 8] -> runs [0, 3), [5, 6), [7, 9):
+    #   run_starts = positions where rows[i] != rows[i-1] + 1 = [0, 3, 4]
+    run_starts = np.flatnonzero(np.diff(rows, prepend=-2) != 1)
+    run_ends = np.append(run_starts[1:], len(rows))
+    parts = [array[rows[s]:rows[e - 1] + 1].argmax(axis=-1)
+             for s, e in zip(run_starts.tolist(), run_ends.tolist(), strict=True)]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -222,6 +222,7 @@ class SamplingState:
         )
         if not all_greedy and not all_random:
             md.is_greedy = to_dev(greedy)
+            md.greedy_rows = np.flatnonzero(greedy)
 
         if not all_greedy:
             temperature = self._temperature[rows]
