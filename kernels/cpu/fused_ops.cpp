@@ -14,7 +14,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -68,7 +68,7 @@ void rms_norm_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
   }
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
               " must be a CPU [rows, n] tensor with contiguous rows");
 }
@@ -99,7 +99,7 @@ inline vec8 exp8(vec8 x) {
 }  // namespace
 
 // out[t] = rms_norm(x[t]) * weight; out may be x.
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
@@ -120,7 +120,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 }
 
 // residual = x + residual (rounded to the dtype, as torch's add); x = rms_norm(residual).
-void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
@@ -151,12 +151,12 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 // cos, sin: float32 [T, rotary_dim], each row [c | c] (the two halves equal).
 // Like the torch reference, cos and sin are first rounded to the dtype and every
 // product and sum is rounded to it.
-void rotary_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+void rotary_neox_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
                   q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
                   q.scalar_type() == k.scalar_type() && q.device().is_cpu(),
               "rotary_neox_: q [T, Hq, D], k [T, Hk, D] on the CPU, same dtype");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
                   cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) <= q.size(2) &&
                   cos.size(1) % 2 == 0,
@@ -193,7 +193,7 @@ void rotary_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Te
 
 // out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I]; silu(g) = g / (1 + exp(-g)),
 // rounded to the dtype before the product (as torch's F.silu(gate) * up).
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+void silu_and_mul(at::Tensor out, at::Tensor x) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2 &&
@@ -236,8 +236,8 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 // for every token t whose slot_mapping[t] >= 0 (-1 marks padding), cast to the cache
 // dtype. key, value [T, Hkv, D] (any token and head strides); kv_cache
 // [2, Hkv, num_blocks, block_size, D] contiguous; slot_mapping int64 [T].
-void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
-                    torch::Tensor slot_mapping) {
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
+                    at::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.device().is_cpu(),
               "write_kv_cache: kv_cache must be a contiguous CPU [2, Hkv, blocks, block_size, D]");
@@ -247,7 +247,7 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cac
                   key.size(2) == dim && key.stride(2) == 1 && value.stride(2) == 1 &&
                   key.scalar_type() == value.scalar_type(),
               "write_kv_cache: key, value [T, Hkv, D] matching the cache");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == key.size(0),
               "write_kv_cache: slot_mapping int64 [T]");
   const int64_t tokens = key.size(0);

@@ -23,7 +23,7 @@
 // 16/32/64/80/96/128/256; the torch path serves the rest.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -154,9 +154,9 @@ void attend_all(const Problem<T>& pb, int64_t num_rows) {
 
 
 template <typename T>
-void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
-         const torch::Tensor& block_table, const torch::Tensor& row_tables,
-         const torch::Tensor& seq_lens, double scale) {
+void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+         const at::Tensor& block_table, const at::Tensor& row_tables,
+         const at::Tensor& seq_lens, double scale) {
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   Problem<T> pb;
@@ -201,23 +201,23 @@ void run(const torch::Tensor& out, const torch::Tensor& query, const torch::Tens
 
 }  // namespace
 
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
-                     torch::Tensor block_table, torch::Tensor row_tables, torch::Tensor seq_lens,
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                     at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
                      double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "paged_attention: float32 query");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 query");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == torch::kFloat32, "out must be like query");
+                  out.scalar_type() == at::kFloat, "out must be like query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.dim() == 2 &&
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.stride(1) == 1, "block_table must be int32 [R, max_blocks]");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.size(0) == query.size(0), "seq_lens must be contiguous int32 [B]");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
               "query and kv_cache heads do not match");
   if (row_tables.numel()) {
-    TORCH_CHECK(row_tables.scalar_type() == torch::kInt32 && row_tables.is_contiguous() &&
+    TORCH_CHECK(row_tables.scalar_type() == at::kInt && row_tables.is_contiguous() &&
                     row_tables.size(0) == query.size(0),
                 "row_tables must be contiguous int32 [B] (or empty: row b reads table row b)");
   } else {
@@ -225,13 +225,13 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor kv_ca
                 "without row_tables, one block_table row per query row");
   }
   switch (kv_cache.scalar_type()) {
-    case torch::kFloat32:
+    case at::kFloat:
       run<float>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       run<c10::BFloat16>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
       break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 cache");

@@ -36,7 +36,8 @@
 // decoded once for four rows.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -165,25 +166,25 @@ inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, 
 }
 #endif
 
-void check_common(const torch::Tensor& x, const torch::Tensor& scales, int64_t num_out,
+void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out,
                   int64_t in_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " columns, the weight ",
               in_features);
   TORCH_CHECK(in_features % kGroup == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.dim() == 2 && scales.size(0) == num_out &&
                   scales.size(1) == in_features / kGroup,
               "scales must be a contiguous float32 [N, K / 32] tensor");
 }
 
 template <bool kInt4>
-torch::Tensor quant_linear(const torch::Tensor& x, const uint8_t* weight, int64_t row_bytes,
+at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_bytes,
                            const float* scales, const float* mins, int64_t num_out) {
   const int64_t rows = x.size(0), cols = x.size(1), groups = cols / kGroup;
   const QuantizedActivations qa = quantize_activations(x.data_ptr<float>(), rows, cols);
-  auto out = torch::empty({rows, num_out}, x.options());
+  auto out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -206,22 +207,22 @@ torch::Tensor quant_linear(const torch::Tensor& x, const uint8_t* weight, int64_
 
 }  // namespace
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor mins) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                          at::Tensor mins) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 [N, K / 2] tensor");
   const int64_t num_out = packed.size(0), in_features = packed.size(1) * 2;
   check_common(x, scales, num_out, in_features);
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat &&
                   mins.is_contiguous(),
               "mins must be a contiguous float32 tensor shaped like scales");
   return quant_linear<true>(x, packed.data_ptr<uint8_t>(), in_features / 2,
                             scales.data_ptr<float>(), mins.data_ptr<float>(), num_out);
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kInt8 &&
+at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar &&
                   qweight.is_contiguous(),
               "qweight must be a contiguous int8 [N, K] tensor");
   const int64_t num_out = qweight.size(0), in_features = qweight.size(1);
