@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 @dataclass
 class Logprobs:
@@ -35,9 +37,13 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class EngineCoreOutput:
-    """New tokens of one request from one step."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request from one step.
+
+    A msgspec struct sent as a msgpack array (no field names on the wire): a step
+    carries one per request that got tokens, so building, encoding and decoding it
+    is per-token work of the engine.
+    """
 
     req_id: str
     new_token_ids: list[int]

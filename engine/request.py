@@ -89,8 +89,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # Async scheduling: tokens sampled by steps still running, not yet appended
         # (their positions may already be scheduled; see engine/core.py).
@@ -102,8 +103,16 @@ class Request:
         # Structured outputs: the grammar the scheduler masks and advances (None: free).
         self.grammar: RequestGrammar | None = None
 
+        # The tokens that may end it (EOS unless ignored, stop_token_ids): a filter the
+        # scheduler checks before its full stop rules (min_tokens etc.).
+        self.stop_check_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            {eos_token_id} if eos_token_id is not None and not sampling_params.ignore_eos
+            else frozenset())
+
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
+        # num_tokens at which the next full block can be hashed (never, without a hasher).
+        self._next_full_block_tokens = block_hasher.block_size if block_hasher else -1
         self._update_block_hashes()
 
     @classmethod
@@ -122,16 +131,8 @@ class Request:
         )
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -143,19 +144,18 @@ class Request:
 
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
-        self._update_block_hashes()
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) == self._next_full_block_tokens:
+            self._update_block_hashes()  # this token completes a block
 
     def _update_block_hashes(self) -> None:
-        if self._block_hasher is None:
+        hasher = self._block_hasher
+        if hasher is None:
             return
-        if (len(self.block_hashes) + 1) * self._block_hasher.block_size > self.num_tokens:
-            return  # no new full block: the common decode step stops here
-        self.block_hashes.extend(
-            self._block_hasher.new_block_hashes(
-                self._all_token_ids, self.block_hashes, self.cache_salt
-            )
-        )
+        if (len(self.block_hashes) + 1) * hasher.block_size <= self.num_tokens:
+            self.block_hashes.extend(
+                hasher.new_block_hashes(self.all_token_ids, self.block_hashes, self.cache_salt))
+        self._next_full_block_tokens = (len(self.block_hashes) + 1) * hasher.block_size
 
     def __repr__(self) -> str:
         return (

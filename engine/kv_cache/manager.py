@@ -85,6 +85,18 @@ class KVCacheManager:
         that the request takes now. Returns the newly allocated blocks (possibly
         empty), or None if the pool cannot hold them; on None nothing changed.
         """
+        if not new_computed_blocks:
+            # The common decode step: the tokens fit the blocks the request holds and
+            # complete no block that still needs its hash, so there is nothing to do.
+            req_blocks = self.req_to_blocks.get(request.req_id)
+            if req_blocks:
+                end = request.num_computed_tokens + num_new_tokens
+                if end <= len(req_blocks) * self.block_size and (
+                    not self.enable_caching
+                    or min(end // self.block_size, len(request.block_hashes))
+                    <= self.num_cached_blocks.get(request.req_id, 0)
+                ):
+                    return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens

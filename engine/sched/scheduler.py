@@ -204,24 +204,26 @@ class Scheduler:
         unscheduler = _Unscheduler(scheduled_running, num_scheduled_tokens, new_block_ids)
 
         # 1. Running requests, in order.
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        last_position = self.max_model_len - 1  # never compute a position at or beyond it
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and not self._may_run_ahead(request):
+            num_placeholders = request.num_output_placeholders
+            if num_placeholders and not self._may_run_ahead(request):
                 index += 1
                 continue
+            num_computed = request.num_computed_tokens
             num_new_tokens = min(
-                request.num_tokens + request.num_output_placeholders
-                - request.num_computed_tokens,
+                len(request.all_token_ids) + num_placeholders - num_computed,
                 token_budget,
-                # Never compute a position at or beyond max_model_len.
-                self.max_model_len - 1 - request.num_computed_tokens,
+                last_position - num_computed,
             )
             if num_new_tokens <= 0:
                 index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
@@ -237,7 +239,7 @@ class Scheduler:
                 break  # `request` itself was preempted; nothing lower is left to run
             scheduled_running.append(request)
             num_scheduled_tokens[request.req_id] = num_new_tokens
-            new_block_ids[request.req_id] = [b.block_id for b in new_blocks]
+            new_block_ids[request.req_id] = [b.block_id for b in new_blocks] if new_blocks else []
             token_budget -= num_new_tokens
             index += 1
 
@@ -295,13 +297,17 @@ class Scheduler:
         # step gets a placeholder for that token until update_from_output appends it;
         # the next schedule() may already compute its position (the runner has the
         # token by then: steps run in order).
-        async_scheduling = self.config.async_scheduling
-        for req_id, num_tokens in num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_tokens
-            if async_scheduling and (request.num_computed_tokens
-                                     >= request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1
+        requests = self.requests
+        if self.config.async_scheduling:
+            for req_id, num_tokens in num_scheduled_tokens.items():
+                request = requests[req_id]
+                request.num_computed_tokens += num_tokens
+                if (request.num_computed_tokens
+                        >= len(request.all_token_ids) + request.num_output_placeholders):
+                    request.num_output_placeholders += 1
+        else:
+            for req_id, num_tokens in num_scheduled_tokens.items():
+                requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
 
@@ -366,21 +372,24 @@ class Scheduler:
             )
             for r in scheduled_new
         ]
-        cached = CachedRequestData()
-        for request in scheduled_running:
-            cached.req_ids.append(request.req_id)
-            cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(new_block_ids[request.req_id])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-        for request in scheduled_resumed:
-            cached.req_ids.append(request.req_id)
-            cached.resumed_from_preemption.append(True)
-            cached.new_block_ids.append(manager.get_block_ids(request.req_id))
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+        resumed_block_ids = [manager.get_block_ids(r.req_id) for r in scheduled_resumed]
+        cached = CachedRequestData(
+            req_ids=[r.req_id for r in scheduled_running]
+            + [r.req_id for r in scheduled_resumed],
+            resumed_from_preemption=[False] * len(scheduled_running)
+            + [True] * len(scheduled_resumed),
+            new_block_ids=[new_block_ids[r.req_id] for r in scheduled_running] + resumed_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]
+            + [r.num_computed_tokens for r in scheduled_resumed],
+        )
         # Batch order: running first, then resumed, then new (the runner may reorder).
-        ordered = {r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_running}
-        ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_resumed})
-        ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_new})
+        # `num_scheduled_tokens` has the running ones first, then the admitted ones in
+        # admission order: reorder only when resumed and new requests are both in it.
+        ordered = num_scheduled_tokens
+        if scheduled_resumed and scheduled_new:
+            ordered = {r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_running}
+            ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_resumed})
+            ordered.update({r.req_id: num_scheduled_tokens[r.req_id] for r in scheduled_new})
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -416,8 +425,15 @@ class Scheduler:
         inter_token_latencies_s: list[float] = []
         now = time.time()
         computed_before = scheduler_output.num_computed_tokens_before()
+        requests = self.requests
+        req_id_to_index = runner_output.req_id_to_index
+        sampled_token_ids = runner_output.sampled_token_ids
+        errors = runner_output.errors
+        all_logprobs = runner_output.logprobs
+        all_prompt_logprobs = runner_output.prompt_logprobs
+        max_model_len = self.max_model_len
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while the step ran
             num_computed_before = computed_before[req_id]
@@ -426,18 +442,17 @@ class Scheduler:
                     min(num_computed_before + num_tokens, request.num_prompt_tokens)
                     - num_computed_before
                 )
-            index = runner_output.req_id_to_index.get(req_id)
-            error = runner_output.errors.get(req_id)
+            index = req_id_to_index.get(req_id)
             # Async scheduling: a later schedule() may have preempted it meanwhile;
             # the tokens this step sampled for it still count (the runner kept them).
             was_running = request.status == RequestStatus.RUNNING
-            if error is not None:
+            if errors and req_id in errors:
                 self._dequeue(request, was_running)
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
-                outputs.append(EngineCoreOutput(req_id, [], "error", error=error))
+                outputs.append(EngineCoreOutput(req_id, [], "error", error=errors[req_id]))
                 continue
-            sampled = runner_output.sampled_token_ids[index] if index is not None else []
+            sampled = sampled_token_ids[index] if index is not None else []
             if sampled and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             new_token_ids: list[int] = []
@@ -454,7 +469,12 @@ class Scheduler:
                     break
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
-                if self._check_stop(request, token_id):
+                # Most tokens end nothing: the full stop rules run only for a token
+                # that may stop it or at a length limit.
+                if (token_id in request.stop_check_token_ids
+                        or len(request.output_token_ids) >= request.max_tokens
+                        or len(request.all_token_ids) >= max_model_len) and self._check_stop(
+                            request, token_id):
                     break
                 if grammar is not None and grammar.terminated:
                     request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
@@ -466,18 +486,17 @@ class Scheduler:
                 else:
                     inter_token_latencies_s.append(now - request.last_token_time)
                 request.last_token_time = now
-            logprobs = runner_output.logprobs.get(req_id)
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
-            finished = request.is_finished
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
+            finished = request.status > RequestStatus.PREEMPTED  # is_finished
             if not new_token_ids and not finished and prompt_logprobs is None:
                 continue  # mid-prefill: nothing to report
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
                     new_token_ids=new_token_ids,
-                    finish_reason=request.status.finish_reason,
+                    finish_reason=request.status.finish_reason if finished else None,
                     stop_reason=request.stop_reason,
-                    new_logprobs=logprobs,
+                    new_logprobs=all_logprobs.get(req_id) if all_logprobs else None,
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )

@@ -22,7 +22,11 @@ from engine.sampling_params import SamplingParams
 
 @dataclass
 class CachedRequestState:
-    """What the runner remembers of a request, also while it is preempted."""
+    """What the runner remembers of a request, also while it is preempted.
+
+    `num_computed_tokens` is the count when the request (re)joined the batch; while it
+    has a row, the current count is `InputBatch.num_computed_tokens[row]`.
+    """
 
     req_id: str
     prompt_token_ids: list[int]

@@ -63,6 +63,7 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids: dict[str, int | None] = {}
+        self._prompt_logprobs_req_ids: set[str] = set()  # requests that want them
         self.input_batch = InputBatch(max_num_reqs, max_model_len, self.max_num_blocks_per_req)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.sampler = Sampler()
@@ -142,6 +143,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.eos_token_ids.pop(req_id, None)
+            self._prompt_logprobs_req_ids.discard(req_id)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             self._remove_row(req_id)  # keep its state: it will resume
@@ -155,19 +157,29 @@ class ModelRunner:
             )
             self.requests[new.req_id] = state
             self.eos_token_ids[new.req_id] = new.eos_token_id
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs_req_ids.add(new.req_id)
             self._add_row(state)
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            if cached.resumed_from_preemption[i]:
-                state.block_ids = list(cached.new_block_ids[i])
+        if not cached.req_ids:
+            return
+        # Most cached requests are decodes with nothing new but their computed count:
+        # per-request Python work only for resumed requests and new blocks (one step
+        # in block_size); the counts are written as one array.
+        requests, req_id_to_row = self.requests, batch.req_id_to_row
+        for req_id, resumed, new_block_ids, num_computed in zip(
+                cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
+                cached.num_computed_tokens, strict=True):
+            if resumed:
+                state = requests[req_id]
+                state.num_computed_tokens = num_computed
+                state.block_ids = list(new_block_ids)
                 self._add_row(state)
-            else:
-                state.block_ids.extend(cached.new_block_ids[i])
-                row = batch.req_id_to_row[req_id]
-                batch.append_block_ids(row, cached.new_block_ids[i])
-                batch.num_computed_tokens[row] = state.num_computed_tokens
+            elif new_block_ids:
+                requests[req_id].block_ids.extend(new_block_ids)
+                batch.append_block_ids(req_id_to_row[req_id], new_block_ids)
+        rows = np.fromiter((req_id_to_row[r] for r in cached.req_ids), np.int64, cached.num_reqs)
+        batch.num_computed_tokens[rows] = cached.num_computed_tokens
 
     def _add_row(self, state: CachedRequestState) -> None:
         row = self.input_batch.add_request(state)
@@ -262,24 +274,30 @@ class ModelRunner:
                 metadata.grammar_bitmask = (grammar.bitmask if len(masks) == len(grammar.req_ids)
                                             else grammar.bitmask[masks])
         output = self.sampler(logits, metadata)
-        token_ids = output.sampled_token_ids.tolist()
+        sampled = output.sampled_token_ids.cpu().numpy()
+        # Bookkeeping of the sampled tokens, for all rows at once (rows are distinct):
+        # each token goes to its row's next position and the sampling state's counts.
+        batch = self.input_batch
+        batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = sampled
+        batch.num_tokens[sample_rows] += 1
+        self.sampling_state.append_output_tokens(sample_rows, sampled)
+        token_ids = sampled.tolist()
+        sample_req_indices = inputs.sample_req_indices.tolist()
+        req_ids, requests = inputs.req_ids, self.requests
+        for req_index, token_id in zip(sample_req_indices, token_ids, strict=True):
+            sampled_token_ids[req_index] = [token_id]
+            requests[req_ids[req_index]].output_token_ids.append(token_id)
         logprobs: dict[str, Logprobs] = {}
         lp = output.logprobs
-        if lp is not None:
-            lp_token_ids, lp_values, lp_ranks = (
-                lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            )
-        batch = self.input_batch
-        for i, req_index in enumerate(inputs.sample_req_indices.tolist()):
-            req_id = inputs.req_ids[req_index]
-            token_id = token_ids[i]
-            sampled_token_ids[req_index] = [token_id]
-            self.requests[req_id].output_token_ids.append(token_id)
-            row = int(sample_rows[i])
-            batch.append_token(row, token_id)
-            self.sampling_state.append_output_token(row, token_id)
-            num_logprobs = self.requests[req_id].sampling_params.logprobs
-            if lp is not None and num_logprobs is not None:
+        if lp is None:
+            return sampled_token_ids, logprobs
+        lp_token_ids, lp_values, lp_ranks = (
+            lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        )
+        for i, req_index in enumerate(sample_req_indices):
+            req_id = req_ids[req_index]
+            num_logprobs = requests[req_id].sampling_params.logprobs
+            if num_logprobs is not None:
                 logprobs[req_id] = Logprobs(
                     token_ids=[lp_token_ids[i][: 1 + num_logprobs]],
                     logprobs=[lp_values[i][: 1 + num_logprobs]],
@@ -296,12 +314,16 @@ class ModelRunner:
         so targets are prompt[s+1 : e+1] (the last prompt position predicts nothing).
         """
         result: dict[str, Logprobs] = {}
+        if not self._prompt_logprobs_req_ids:
+            return result  # the common step: nobody asked for them
         qsl = inputs.attn_metadata.query_start_loc_np
         for index, req_id in enumerate(inputs.req_ids):
+            if req_id not in self._prompt_logprobs_req_ids:
+                continue
             state = self.requests[req_id]
             num_top = state.sampling_params.prompt_logprobs
             num_prompt = len(state.prompt_token_ids)
-            start_pos = state.num_computed_tokens
+            start_pos = int(self.input_batch.num_computed_tokens[inputs.row_indices[index]])
             if num_top is None or start_pos >= num_prompt - 1:
                 continue
             end_pos = min(start_pos + int(qsl[index + 1] - qsl[index]), num_prompt - 1)
