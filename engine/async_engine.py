@@ -254,6 +254,14 @@ class AsyncEngine:
         """Start the engine core (raises EngineStartupError) and the output handler."""
         client = await start_async_client(config, executor_spec, mode, startup_timeout_s,
                                           log_level)
+        return cls.from_client(client, tokenizer, eos_token_id=eos_token_id, observer=observer)
+
+    @classmethod
+    def from_client(cls, client: AsyncEngineCoreClient, tokenizer: Any, *,
+                    eos_token_id: int | None = None,
+                    observer: EngineObserver | None = None) -> AsyncEngine:
+        """The frontend over an engine core already started (`start_async_client`), with
+        its output handler running; call from the event loop."""
         engine = cls(client, tokenizer, eos_token_id=eos_token_id, observer=observer)
         engine._ensure_output_task()
         return engine

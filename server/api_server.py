@@ -33,7 +33,7 @@ import uvicorn
 
 from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.config import EngineConfig
-from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S
+from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
 from engine.core_proc import ExecutorSpec
 from server.app import build_app
 from server.lifecycle import ServerLimits
@@ -189,13 +189,23 @@ class APIServer:
         options = self.options
         self.socket = bind_socket(options.host, options.port)
         try:
-            info = await asyncio.to_thread(load_tokenizer, self.model_dir)
+            # The tokenizer loads in a thread while the engine core process starts.
+            info_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.model_dir))
+            try:
+                client = await start_async_client(
+                    self.engine_config, self.executor_spec, options.engine_mode,
+                    options.startup_timeout_s, options.log_level)
+            except BaseException:
+                info_load.cancel()
+                raise
+            try:
+                info = await info_load
+            except BaseException:
+                client.shutdown()
+                raise
             metrics = ServerMetrics(self.served_model_names[0])
-            engine = await AsyncEngine.start(
-                self.engine_config, info.tokenizer, eos_token_id=info.eos_token_id,
-                observer=metrics, executor_spec=self.executor_spec, mode=options.engine_mode,
-                startup_timeout_s=options.startup_timeout_s, log_level=options.log_level,
-            )
+            engine = AsyncEngine.from_client(client, info.tokenizer,
+                                             eos_token_id=info.eos_token_id, observer=metrics)
         except BaseException:
             self.socket.close()
             raise

@@ -9,7 +9,19 @@
 
 from engine.model_loader.gguf import default_cache_dir, ensure_converted
 from engine.model_loader.source import ModelSourceError, ResolvedModel, resolve_model
-from engine.model_loader.weights import iter_safetensors, load_model, resolve_dtype
+
+# The weight loading names import torch: loaded on first use, so that the HTTP frontend,
+# which only resolves models, starts without torch.
+_WEIGHTS = ("iter_safetensors", "load_model", "resolve_dtype")
+
+
+def __getattr__(name: str):
+    if name in _WEIGHTS:
+        from engine.model_loader import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ModelSourceError",

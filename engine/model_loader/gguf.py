@@ -27,13 +27,18 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that convert (lazily): the HTTP frontend resolves
+# models through this module and never needs torch itself.
 
 GGUF_TYPES_FILE = "gguf_tensor_types.json"  # read by engine.model_loader.quantize
 
@@ -124,6 +129,8 @@ def _remove_abandoned_tmp_dirs(target: Path) -> None:
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     """Write config, tokenizer and dequantized safetensors weights of `gguf_path` into `out_dir`."""
+    import torch
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True)
     gguf = GGUFFile(gguf_path)
@@ -206,6 +213,8 @@ def gguf_tensors(gguf: GGUFFile, config, progress=None, types: dict[str, str] | 
     llama.cpp's converter permutes Llama's q/k rows for its rotary layout; they
     are permuted back here. Stacked expert tensors [E, ...] are split per expert.
     """
+    import torch
+
     arch = gguf.get("general.architecture")
     for name in gguf.tensors:
         if progress is not None:
@@ -257,6 +266,8 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _save_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path,
                   dtype: torch.dtype) -> None:
     """Stream tensors into shards of about SHARD_BYTES; one file if they all fit."""
+    from safetensors.torch import save_file
+
     parts: list[list[str]] = []  # tensor names of each written part
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
