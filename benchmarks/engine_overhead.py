@@ -109,20 +109,29 @@ class StubExecutor:
 
 
 # ---------------------------------------------------------------------- stage timing
+# How stages are timed: "wall" (time.perf_counter) or "cpu" (time.thread_time: the
+# CPU time of the thread doing the work, which on a machine shared with other jobs
+# leaves out the time the thread waited for a core; the period stays wall time).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 class StageClock:
     """Accumulates the seconds spent in wrapped callables, per stage, per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
 
     def wrap(self, stage: str, fn: Callable) -> Callable:
+        now = self.now
+
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.current[stage] += time.perf_counter() - started
+                self.current[stage] += now() - started
         return timed
 
     def end_step(self, keep: bool) -> None:
@@ -142,11 +151,11 @@ class _TimedSampler:
         self.clock = clock
 
     def __call__(self, logits, metadata):
-        started = time.perf_counter()
+        started = self.clock.now()
         try:
             return self.sampler(logits, metadata)
         finally:
-            self.clock.current["sampler_math"] += time.perf_counter() - started
+            self.clock.current["sampler_math"] += self.clock.now() - started
 
 
 def instrument(core: EngineCore, clock: StageClock) -> None:
@@ -182,6 +191,7 @@ class CoreResult:
     num_running: int
     model_ms: float
     async_scheduling: bool
+    clock: str = "wall"
     stages_us: dict[str, float] = field(default_factory=dict)
     step_period_us: float = 0.0
     steps_per_s: float = 0.0
@@ -190,7 +200,8 @@ class CoreResult:
 
 def run_core(workload: Workload, num_steps: int, model_ms: float,
              record: list[bytes] | None = None, seed: int = 0,
-             prompt_len: int = PROMPT_LEN, async_scheduling: bool = False) -> CoreResult:
+             prompt_len: int = PROMPT_LEN, async_scheduling: bool = False,
+             clock: str = "wall") -> CoreResult:
     import zmq
 
     from engine.ipc import Outputs, core_codec
@@ -244,7 +255,8 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
     receiver = threading.Thread(target=drain, daemon=True)
     receiver.start()
     codec = core_codec()
-    clock = StageClock()
+    clock_name, now = clock, CLOCKS[clock]
+    clock = StageClock(now)
     instrument(core, clock)
     warmup = min(20, num_steps // 5)
     num_tokens = 0
@@ -255,14 +267,14 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
         if workload.with_prefill:
             while core.scheduler.num_unfinished_requests < n + 1:
                 add(rng.randrange(8, 2 * num_steps + 9))
-        step_started = time.perf_counter()
+        step_started = now()
         outputs = core.step()
-        send_started = time.perf_counter()
+        send_started = now()
         data = codec.encode(Outputs(outputs))
         push.send(data, copy=False)
-        now = time.perf_counter()
-        clock.current["send"] = now - send_started
-        clock.current["step"] = now - step_started
+        ended = now()
+        clock.current["send"] = ended - send_started
+        clock.current["step"] = ended - step_started
         if step >= warmup:
             num_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
             if record is not None:
@@ -289,7 +301,7 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
                                      + stages["runner_bookkeeping"] + stages["encode_send"])
     return CoreResult(
         workload=workload.name, sampling=workload.sampling, num_running=n, model_ms=model_ms,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, clock=clock_name,
         stages_us={k: round(v, 1) for k, v in stages.items()},
         step_period_us=round(elapsed / num_steps * 1e6, 1),
         steps_per_s=round(num_steps / elapsed, 1),
@@ -308,12 +320,12 @@ class FrontendResult:
     us_per_step: float
 
 
-async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer) -> FrontendResult:
+async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer,
+                        now: Callable[[], float] = time.perf_counter) -> FrontendResult:
     from engine.async_engine import AsyncEngine
     from engine.core_client import AsyncEngineCoreClient
     from engine.ipc import frontend_codec
-    from server.protocol import CompletionStreamChoice, CompletionStreamResponse
-    from server.serving_common import sse
+    from server.serving_completions import CompletionChunkWriter
 
     codec = frontend_codec()
     start_playback = asyncio.Event()
@@ -351,13 +363,11 @@ async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer) -> F
         params = SamplingParams(temperature=0.0, max_tokens=1 << 15, ignore_eos=True,
                                 stop=["\n\n\n\n\n"])
         prompt = [rng.randrange(1000, 40_000) for _ in range(32)]
+        writer = CompletionChunkWriter(f"cmpl-bench-{i}", 0, "stub")
         async for output in engine.generate(prompt, params, f"req-{i}"):
             for seq in output.outputs:
                 num_tokens[0] += len(seq.delta_token_ids)
-                sse(CompletionStreamResponse(
-                    id="cmpl-bench", created=0, model="stub",
-                    choices=[CompletionStreamChoice(index=0, text=seq.delta_text)],
-                ).model_dump_json())
+                writer.text(0, seq.delta_text)  # the server's chunk for a text delta
             if num_tokens[0] >= expected:
                 done.set()
 
@@ -367,10 +377,10 @@ async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer) -> F
     done = asyncio.Event()
     tasks = [asyncio.create_task(consume(i)) for i in range(num_streams)]
     await asyncio.sleep(0.1)  # every request added
-    started = time.perf_counter()
+    started = now()
     start_playback.set()
     await asyncio.wait_for(done.wait(), timeout=600)
-    seconds = time.perf_counter() - started
+    seconds = now() - started
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -378,13 +388,15 @@ async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer) -> F
                           round(num_tokens[0] / seconds, 1), round(seconds / num_steps * 1e6, 1))
 
 
-def run_frontend(recorded: list[bytes], num_streams: int) -> FrontendResult:
+def run_frontend(recorded: list[bytes], num_streams: int, clock: str = "wall") -> FrontendResult:
+    """`clock` "cpu": seconds are the process's CPU time (time.process_time)."""
     from transformers import AutoTokenizer
 
     from engine.model_loader import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
-    return asyncio.run(_run_frontend(recorded, num_streams, tokenizer))
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    return asyncio.run(_run_frontend(recorded, num_streams, tokenizer, now))
 
 
 # ---------------------------------------------------------------------- report
@@ -422,6 +434,9 @@ def main() -> None:
                         help="run each workload without and/or with async scheduling")
     parser.add_argument("--frontend-streams", type=int, default=256,
                         help="streams for the frontend run (0: skip it)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="time the stages by wall clock or by the thread's CPU time "
+                             "(cpu: for a machine shared with other jobs)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -435,19 +450,20 @@ def main() -> None:
                 record = (recorded if args.frontend_streams and name == "decode-256"
                           and sampling == "greedy" and mode == "off" and not recorded else None)
                 result = run_core(workload, args.steps, args.model_ms, record,
-                                  async_scheduling=mode == "on")
+                                  async_scheduling=mode == "on", clock=args.clock)
                 results.append(result)
                 print(f"{name} {sampling} async={mode}: {result.stages_us} "
                       f"period {result.step_period_us} µs", flush=True)
-    print("\nµs per step (median over the timed steps); period/steps/s/tok/s from wall time."
+    print(f"\nµs per step (median over the timed steps, {args.clock} clock); "
+          "period/steps/s/tok/s from wall time."
           "\nWith async scheduling the runner's stages run on the worker thread, beside the"
           " core's: the period, not the sum of the stages, is what counts.")
     print(table(results))
     frontend = None
     if recorded:
-        frontend = run_frontend(recorded, args.frontend_streams)
+        frontend = run_frontend(recorded, args.frontend_streams, args.clock)
         print(f"\nfrontend: {frontend.num_streams} SSE streams, {frontend.tokens} tokens in "
-              f"{frontend.seconds} s -> {frontend.tokens_per_s:,.0f} tokens/s on one core "
+              f"{frontend.seconds} s ({args.clock}) -> {frontend.tokens_per_s:,.0f} tokens/s on one core "
               f"({frontend.us_per_step:,.0f} µs per core step)")
     if args.json:
         with open(args.json, "w") as f:

@@ -561,7 +561,7 @@ class AsyncEngine:
             prompt_token_ids=state.prompt_token_ids,
             outputs=outputs,
             finished=state.finished,
-            metrics=dataclasses.replace(state.metrics),
+            metrics=state.metrics.copy(),
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,
         )

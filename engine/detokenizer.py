@@ -35,6 +35,36 @@ _PROMPT_CONTEXT_TOKENS = 5
 _MAX_PENDING_TOKENS = 4
 
 
+_RUST_DECODERS: dict[type, bool] = {}
+
+
+def _rust_decoder(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose class
+    decodes through it unchanged, else None.
+
+    transformers' fast `decode(ids, skip_special_tokens=s,
+    clean_up_tokenization_spaces=False)` converts its input to a list and calls
+    `tokenizer._tokenizer.decode(ids, skip_special_tokens=s)`; calling that directly
+    saves most of a detokenization step's cost. A class that overrides `_decode`
+    (or `decode`) keeps the wrapper.
+    """
+    kind = type(tokenizer)
+    plain = _RUST_DECODERS.get(kind)
+    if plain is None:
+        plain = False
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            plain = (issubclass(kind, TokenizersBackend)
+                     and kind._decode is TokenizersBackend._decode
+                     and kind.decode is PreTrainedTokenizerBase.decode)
+        except ImportError:  # another transformers layout: keep the wrapper
+            pass
+        _RUST_DECODERS[kind] = plain
+    return tokenizer._tokenizer if plain else None
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -78,6 +108,9 @@ class IncrementalDetokenizer:
         )
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        backend = _rust_decoder(self.tokenizer)
+        if backend is not None:  # the same call, without transformers' Python wrapper
+            return backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             token_ids,
             skip_special_tokens=self.skip_special_tokens,
@@ -137,6 +170,9 @@ class IncrementalDetokenizer:
         text = self.output_text
         held = 0
         for stop in self.stop:
+            tail = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+            if stop[0] not in tail:
+                continue  # no suffix of the text can begin this stop string
             for length in range(min(len(stop) - 1, len(text)), held, -1):
                 if text.endswith(stop[:length]):
                     held = length

@@ -199,3 +199,20 @@ def test_sse_events_survive_clients_that_split_on_unicode_line_breaks(char):
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: "):]) == payload
     assert "é" in event  # other non-ASCII text stays as it is
+
+
+def test_completion_text_chunk_equals_the_pydantic_chunk():
+    """The template behind nearly every streamed completion chunk writes exactly what
+    CompletionStreamResponse writes, for every kind of character (controls, quotes,
+    backslashes, non-ASCII, line separators, emoji) and odd ids/model names."""
+    from server.protocol import CompletionStreamChoice
+    from server.serving_completions import CompletionChunkWriter
+
+    texts = ["", "hello", ' "quoted" \\ back', "tab\tnl\ncr\r\x00\x1f\x7f", "é中😀",
+             "\u2028\u2029\u0085", "".join(chr(c) for c in range(0, 0x300))]
+    for request_id, model in [("cmpl-1", "m"), ('cmpl-"x"', "org/模型\\v1")]:
+        writer = CompletionChunkWriter(request_id, 1_700_000_000, model)
+        for index in (0, 7):
+            for text in texts:
+                assert writer.text(index, text) == writer.choice(
+                    CompletionStreamChoice(index=index, text=text))
