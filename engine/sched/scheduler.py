@@ -432,6 +432,7 @@ class Scheduler:
         all_logprobs = runner_output.logprobs
         all_prompt_logprobs = runner_output.prompt_logprobs
         max_model_len = self.max_model_len
+        running_status, last_unfinished = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None:
@@ -445,7 +446,7 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             # Async scheduling: a later schedule() may have preempted it meanwhile;
             # the tokens this step sampled for it still count (the runner kept them).
-            was_running = request.status == RequestStatus.RUNNING
+            was_running = request.status == running_status
             if errors and req_id in errors:
                 self._dequeue(request, was_running)
                 request.status = RequestStatus.FINISHED_ERROR
@@ -487,20 +488,18 @@ class Scheduler:
                     inter_token_latencies_s.append(now - request.last_token_time)
                 request.last_token_time = now
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
-            finished = request.status > RequestStatus.PREEMPTED  # is_finished
+            finished = request.status > last_unfinished  # request.is_finished
             if not new_token_ids and not finished and prompt_logprobs is None:
                 continue  # mid-prefill: nothing to report
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.status.finish_reason if finished else None,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=all_logprobs.get(req_id) if all_logprobs else None,
-                    new_prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                )
-            )
+            outputs.append(EngineCoreOutput(  # positional: the fields in order
+                req_id,
+                new_token_ids,
+                request.status.finish_reason if finished else None,  # finish_reason
+                request.stop_reason,
+                all_logprobs.get(req_id) if all_logprobs else None,  # new_logprobs
+                prompt_logprobs,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            ))
             if finished:
                 self._dequeue(request, was_running)
                 self._free_request(request)
