@@ -6,7 +6,7 @@
   batch 64 and ~500-token contexts that gather moves more bytes per step than the
   attention itself reads.
 - `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
-  with float32 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
+  with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 - `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
   residual add, RoPE, SiLU x up, the KV-cache write), one call each.
 

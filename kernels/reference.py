@@ -123,7 +123,7 @@ def quantize_activations_ref(x: torch.Tensor, group: int = 32
 def quant_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                      mins: torch.Tensor | None, group: int = 32) -> torch.Tensor:
     """The quantized linear kernels' arithmetic: x float32 [M, K], weight integers
-    q [N, K] (int4: 0..15, int8: signed), scales and mins float32 [N, K / group] ->
+    q [N, K] (int4: 0..15, int8: signed), scales and mins [N, K / group] (float16) ->
 
         out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] sums[m, g]
     """
@@ -131,7 +131,7 @@ def quant_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     rows, num_groups = dx.shape
     qg = q.float().view(q.shape[0], num_groups, group)
     dots = torch.einsum("mgk,ngk->mng", xq, qg)  # integers, exact in float32
-    out = (dots * scales.unsqueeze(0) * dx.unsqueeze(1)).sum(dim=-1)
+    out = (dots * scales.float().unsqueeze(0) * dx.unsqueeze(1)).sum(dim=-1)
     if mins is not None:
-        out = out + sums @ mins.T
+        out = out + sums @ mins.float().T
     return out

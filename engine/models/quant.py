@@ -1,8 +1,9 @@
 """Weight-only quantized linears on CPU: int4 and int8 in groups of 32 input columns.
 
 A `Linear` keeps its dense weight and may also carry a `QuantizedWeight`: the same
-weight in 4 or 8 bits with float32 scales per group of 32 (the layout of GGUF's
-Q4_0 / Q4_1 / Q8_0, which therefore run exactly), multiplied by the C++ kernels
+weight in 4 or 8 bits with float16 scales (and mins) per group of 32 (the layout and
+precision of GGUF's Q4_0 / Q4_1 / Q8_0, which therefore run exactly: 0.625 bytes per
+int4 weight, where float32 scales took 0.75), multiplied by the C++ kernels
 of `kernels/cpu/quant_linear.cpp`. Those read 5-6x fewer bytes than a float32
 matmul, which is what a small decode batch costs on a memory-bound CPU, but they
 are GEMV-like: past a few rows a dense matmul wins. So a layer runs its quantized
@@ -70,14 +71,14 @@ def _kernels():
 
 
 class QuantizedWeight:
-    """One linear's weight in int4/int8 (groups of 32, float32 scales) and its kernel."""
+    """One linear's weight in int4/int8 (groups of 32, float16 scales) and its kernel."""
 
     def __init__(self, spec: QuantSpec, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, max_rows: int):
         self.spec = spec
         self.data = data  # int4: uint8 [N, K / 2] (two per byte); int8: int8 [N, K]
-        self.scales = scales  # float32 [N, K / 32]
-        self.mins = mins  # int4: float32 [N, K / 32]; int8: None
+        self.scales = scales  # float16 [N, K / 32]
+        self.mins = mins  # int4: float16 [N, K / 32]; int8: None
         self.max_rows = max_rows
         self.out_features = scales.shape[0]
         self.in_features = scales.shape[1] * GROUP_SIZE
@@ -113,9 +114,9 @@ class QuantizedWeight:
             q = self.data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
         else:
             q = unpack_int4(self.data).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
-        weight = q * self.scales.unsqueeze(-1)
+        weight = q * self.scales.float().unsqueeze(-1)
         if self.mins is not None:
-            weight = weight + self.mins.unsqueeze(-1)
+            weight = weight + self.mins.float().unsqueeze(-1)
         return weight.view(n, k)
 
 
@@ -127,8 +128,9 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
              ) -> QuantizedWeight:
     """Quantize a float weight [N, K], round to nearest, per group of 32 columns.
 
-    Values that already lie on such a grid (a dequantized GGUF Q4_0/Q4_1/Q8_0 tensor)
-    come back exactly, up to float32 rounding of the recomputed scale.
+    Scales and mins are rounded to float16 before the integers are computed from them.
+    Values that already lie on such a grid (a dequantized GGUF Q4_0/Q4_1/Q8_0 tensor,
+    whose scales are float16) come back exactly.
     """
     n, k = weight.shape
     if not can_quantize(n, k):
@@ -138,26 +140,35 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
     if spec.method == "int8":
         # Worked example, a group [0.5, -1.27, 0.1, ...]: scale = 1.27 / 127 = 0.01,
         # q = round(w / scale) = [50, -127, 10, ...].
-        scales = w.abs().amax(dim=-1) / 127
+        scales = _half(w.abs().amax(dim=-1) / 127)
         q = torch.round(w / _nonzero(scales).unsqueeze(-1)).clamp(-127, 127)
         return QuantizedWeight(spec, q.to(torch.int8).view(n, k).contiguous(),
-                               scales.contiguous(), None, max_rows)
+                               scales.half().contiguous(), None, max_rows)
     if spec.symmetric:
         # Q4_0: the value of largest magnitude v sits at q = 0, so scale = -v / 8.
         # Example, a group [0.8, -0.2, 0.4, ...]: scale = -0.1, q = round(w / scale) + 8
         # = [0, 10, 4, ...], and scale * (q - 8) = [0.8, -0.2, 0.4, ...].
         index = w.abs().argmax(dim=-1, keepdim=True)
-        scales = -w.gather(-1, index).squeeze(-1) / 8
+        scales = _half(-w.gather(-1, index).squeeze(-1) / 8)
         q = torch.round(w / _nonzero(scales).unsqueeze(-1)) + 8
         mins = -8 * scales
     else:
         # Q4_1: example group [-0.3, 0.0, 0.45, ...] with min -0.3, max 0.45:
         # scale = 0.75 / 15 = 0.05, q = round((w - min) / scale) = [0, 6, 15, ...].
-        mins = w.amin(dim=-1)
-        scales = (w.amax(dim=-1) - mins) / 15
+        mins = _half(w.amin(dim=-1))
+        scales = _half((w.amax(dim=-1) - mins) / 15)
         q = torch.round((w - mins.unsqueeze(-1)) / _nonzero(scales).unsqueeze(-1))
     q = q.clamp(0, 15).to(torch.uint8).view(n, k)
-    return QuantizedWeight(spec, pack_int4(q), scales.contiguous(), mins.contiguous(), max_rows)
+    return QuantizedWeight(spec, pack_int4(q), scales.half().contiguous(),
+                           mins.half().contiguous(), max_rows)
+
+
+def _half(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to float16 (kept float32); too large for float16: an error."""
+    rounded = values.half()
+    if not torch.isfinite(rounded).all():
+        raise ValueError("a weight group's scale or minimum exceeds float16's range (65504)")
+    return rounded.float()
 
 
 def _nonzero(scales: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Attention of query rows over a head-major paged KV cache, read in place (CPU).");
   m.def("int4_linear", &int4_linear,
-        "x @ W.T with W in int4 groups of 32 (float32 scales and mins).");
-  m.def("int8_linear", &int8_linear, "x @ W.T with W in int8 groups of 32 (float32 scales).");
+        "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
+  m.def("int8_linear", &int8_linear, "x @ W.T with W in int8 groups of 32 (float16 scales).");
   m.def("rms_norm", &rms_norm, "out = weight * x / sqrt(mean(x^2) + eps), row by row.");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place.");
   m.def("rotary_neox_", &rotary_neox_, "RoPE (neox halves) on q and k, in place.");

@@ -1,5 +1,5 @@
 // Weight-only quantized linears for the CPU: out[M, N] = x[M, K] @ W[N, K]^T, where W is
-// stored in 4 or 8 bits in groups of 32 input columns with float32 scales, as GGUF's
+// stored in 4 or 8 bits in groups of 32 input columns with float16 scales (and mins), as GGUF's
 // Q4_0 / Q4_1 / Q8_0 are, so those checkpoints run exactly in their own precision:
 //
 //   int4:  W[n, k] = mins[n, g] + scales[n, g] * q[n, k]    q in [0, 15], g = k / 32
@@ -33,7 +33,9 @@
 //
 // Its torch reference is kernels.reference.quant_linear_ref. Each thread takes a range
 // of output rows n; x's rows are taken four at a time, so a group's weights are
-// decoded once for four rows.
+// decoded once for four rows (dot_rows); an int4 batch of one row (a one-client
+// decode step) takes dot_rows_int4, which decodes two groups per load and scales eight
+// groups per vector instruction.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,6 +49,8 @@
 
 #include "spin_pool.h"
 
+#include <c10/util/Half.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -54,18 +58,41 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+
+// Scales and mins are float16 (GGUF's own precision for Q4_0 / Q4_1 / Q8_0).
+inline float half_to_float(uint16_t bits) {
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load_halves(const uint16_t* p) {  // 8 float16 -> 8 float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 constexpr int64_t kRowBlock = 4;  // rows of x sharing one decode of a weight group
 
-// x [M, K] float32 -> xq int16 [M, K], dx [M, G], sums [M, G] = dx * sum(xq) per group.
+// x [M, K] float32 -> xq int16, dx [M, G], sums [M, G] = dx * sum(xq) per group.
+// xq holds `stride` int16 per row: K in natural order, or (`pairs`, the int4 kernel's
+// layout) each pair of groups (g, g + 1) interleaved in runs of 8, the order in which
+// one 32-byte load of their packed weights unpacks (see dot_rows_int4):
+//   [g 0-7, g+1 0-7, g 8-15, g+1 8-15, g 16-23, g+1 16-23, g 24-31, g+1 24-31]
+// Example, K = 96 (3 groups): stride 128; the last pair is group 2 with a zero group 3.
 struct QuantizedActivations {
   std::vector<int16_t> values;
   std::vector<float> scales, sums;
+  int64_t stride = 0;
 };
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t cols) {
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t cols,
+                                          bool pairs) {
   const int64_t groups = cols / kGroup;
   QuantizedActivations qa;
-  qa.values.resize(rows * cols);
+  qa.stride = pairs ? (groups + 1) / 2 * 2 * kGroup : cols;
+  qa.values.assign(rows * qa.stride, 0);
   qa.scales.resize(rows * groups);
   qa.sums.resize(rows * groups);
   for (int64_t m = 0; m < rows; ++m)
@@ -75,11 +102,15 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
       for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
       const float scale = amax / 32767.f;
       const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-      int16_t* q = qa.values.data() + m * cols + g * kGroup;
+      int16_t* row = qa.values.data() + m * qa.stride;
       int32_t sum = 0;
       for (int64_t k = 0; k < kGroup; ++k) {
-        q[k] = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
-        sum += q[k];
+        const int16_t q = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
+        // pairs: run k / 8 of group g sits at run 2 (k / 8) + g % 2 of the pair's 64.
+        const int64_t at = pairs ? (g / 2) * 2 * kGroup + (2 * (k / 8) + g % 2) * 8 + k % 8
+                                 : g * kGroup + k;
+        row[at] = q;
+        sum += q;
       }
       qa.scales[m * groups + g] = scale;
       qa.sums[m * groups + g] = scale * static_cast<float>(sum);
@@ -87,7 +118,7 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return qa;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__F16C__)
 // One group's 32 weights as two vectors of 16 int16: q[0..15] and q[16..31].
 inline void load_group(const uint8_t* w, bool int4, __m256i out[2]) {
   if (int4) {
@@ -108,9 +139,94 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// int4, out[m, n] for R rows m0..m0+R-1 and one output row n, activations in the pairs
+// layout. A pair of groups is one 32-byte load: its low nibbles are q[0..15] of both
+// groups (lane 0: group g, lane 1: group g+1), its high nibbles q[16..31]; widening
+// bytes to int16 in-lane (unpacklo/hi against zero) gives runs of 8 in the order
+//   [g 0-7 | g+1 0-7], [g 8-15 | g+1 8-15], [g 16-23 | g+1 16-23], [g 24-31 | g+1 24-31]
+// which is how quantize_activations laid x out. Four madd + add leave each lane with 4
+// partial sums of its group. Eight groups (four pairs) are reduced together: three
+// hadd give their totals in the order [0 2 4 6 | 1 3 5 7], turned to float and scaled by
+// scales[n, g] * dx[m, g] permuted the same way: one multiply per 8 groups where the
+// per-group loop (dot_rows) broadcast a scale per group. The Q4_1 min term is one fma
+// per 8 groups. Leftover pairs are reduced alone; an odd last group is a pair whose
+// second group has zero activations (its weights are not read).
+template <int R>
+inline void dot_rows_int4(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow,
+                          int64_t groups, const QuantizedActivations& qa, int64_t m0, float* out,
+                          int64_t out_stride) {
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  // The 4 int32 partial sums per lane of pair p (groups 2p, 2p + 1) for row r.
+  auto pair_sums = [&](int64_t p, bool single, __m256i sums[R]) {
+    const uint8_t* wp = wrow + p * kGroup;  // 16 bytes per group
+    const __m256i packed =
+        single ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))
+               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m256i lo = _mm256_and_si256(packed, low_nibbles);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+    const __m256i w0 = _mm256_unpacklo_epi8(lo, zero), w1 = _mm256_unpackhi_epi8(lo, zero);
+    const __m256i w2 = _mm256_unpacklo_epi8(hi, zero), w3 = _mm256_unpackhi_epi8(hi, zero);
+    for (int r = 0; r < R; ++r) {
+      const __m256i* x = reinterpret_cast<const __m256i*>(
+          qa.values.data() + (m0 + r) * qa.stride + p * 2 * kGroup);
+      sums[r] = _mm256_add_epi32(
+          _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
+                           _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1))),
+          _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(x + 2)),
+                           _mm256_madd_epi16(w3, _mm256_loadu_si256(x + 3))));
+    }
+  };
+  __m256 acc[R], acc_min[R];
+  float tail[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    acc_min[r] = _mm256_setzero_ps();
+    tail[r] = 0.f;
+  }
+  __m256i s0[R], s1[R], s2[R], s3[R];
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    pair_sums(g / 2, false, s0);
+    pair_sums(g / 2 + 1, false, s1);
+    pair_sums(g / 2 + 2, false, s2);
+    pair_sums(g / 2 + 3, false, s3);
+    const __m256 wscale = load_halves(srow + g);
+    const __m256 wmin = load_halves(mrow + g);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      const __m256i totals = _mm256_hadd_epi32(_mm256_hadd_epi32(s0[r], s1[r]),
+                                               _mm256_hadd_epi32(s2[r], s3[r]));
+      const __m256 scale = _mm256_permutevar8x32_ps(
+          _mm256_mul_ps(wscale, _mm256_loadu_ps(qa.scales.data() + at)), order);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), scale, acc[r]);
+      acc_min[r] = _mm256_fmadd_ps(wmin, _mm256_loadu_ps(qa.sums.data() + at), acc_min[r]);
+    }
+  }
+  for (; g < groups; g += 2) {
+    const bool single = g + 1 == groups;
+    pair_sums(g / 2, single, s0);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      const __m256i h = _mm256_hadd_epi32(s0[r], s0[r]);
+      const __m256i totals = _mm256_hadd_epi32(h, h);  // lane 0: group g, lane 1: g + 1
+      tail[r] += static_cast<float>(_mm256_extract_epi32(totals, 0)) * half_to_float(srow[g]) *
+                     qa.scales[at] +
+                 half_to_float(mrow[g]) * qa.sums[at];
+      if (!single)
+        tail[r] += static_cast<float>(_mm256_extract_epi32(totals, 4)) *
+                       half_to_float(srow[g + 1]) * qa.scales[at + 1] +
+                   half_to_float(mrow[g + 1]) * qa.sums[at + 1];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[(m0 + r) * out_stride] = hsum(acc[r]) + hsum(acc_min[r]) + tail[r];
+}
+
 // out[m, n] for R rows m0..m0+R-1 and one output row n.
 template <bool kInt4, int R>
-inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, int64_t groups,
+inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow, int64_t groups,
                      const QuantizedActivations& qa, int64_t m0, int64_t cols, float* out,
                      int64_t out_stride) {
   __m256 acc[R];
@@ -124,14 +240,14 @@ inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, 
     load_group(wrow + g * (kInt4 ? kGroup / 2 : kGroup), kInt4, w);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const int16_t* xq = qa.values.data() + m * cols + g * kGroup;
+      const int16_t* xq = qa.values.data() + m * qa.stride + g * kGroup;
       // 16 x (int16 * int16 + int16 * int16) -> 8 int32, twice; |sum| < 2^23, exact.
       const __m256i dot = _mm256_add_epi32(
           _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
           _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-      const float scale = srow[g] * qa.scales[m * groups + g];
+      const float scale = half_to_float(srow[g]) * qa.scales[m * groups + g];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc[r]);
-      if (kInt4) acc_min[r] += mrow[g] * qa.sums[m * groups + g];
+      if (kInt4) acc_min[r] += half_to_float(mrow[g]) * qa.sums[m * groups + g];
     }
   }
   for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]) + acc_min[r];
@@ -139,14 +255,14 @@ inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, 
 #else
 // Portable version of the same arithmetic: integer dot per group, scaled in float.
 template <bool kInt4, int R>
-inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, int64_t groups,
+inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow, int64_t groups,
                      const QuantizedActivations& qa, int64_t m0, int64_t cols, float* out,
                      int64_t out_stride) {
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
     float acc = 0.f, acc_min = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
-      const int16_t* xq = qa.values.data() + m * cols + g * kGroup;
+      const int16_t* xq = qa.values.data() + m * qa.stride + g * kGroup;
       int32_t dot = 0;
       for (int64_t k = 0; k < kGroup; ++k) {
         int32_t q;
@@ -158,13 +274,17 @@ inline void dot_rows(const uint8_t* wrow, const float* srow, const float* mrow, 
         }
         dot += q * xq[k];
       }
-      acc += static_cast<float>(dot) * (srow[g] * qa.scales[m * groups + g]);
-      if (kInt4) acc_min += mrow[g] * qa.sums[m * groups + g];
+      acc += static_cast<float>(dot) * (half_to_float(srow[g]) * qa.scales[m * groups + g]);
+      if (kInt4) acc_min += half_to_float(mrow[g]) * qa.sums[m * groups + g];
     }
     out[m * out_stride] = acc + acc_min;
   }
 }
 #endif
+
+const uint16_t* halves(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+}
 
 void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out,
                   int64_t in_features) {
@@ -173,31 +293,50 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out
   TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " columns, the weight ",
               in_features);
   TORCH_CHECK(in_features % kGroup == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.dim() == 2 && scales.size(0) == num_out &&
                   scales.size(1) == in_features / kGroup,
-              "scales must be a contiguous float32 [N, K / 32] tensor");
+              "scales must be a contiguous float16 [N, K / 32] tensor");
 }
+
+// int4 batches of up to kPairsMaxRows rows take dot_rows_int4 (AVX2), larger ones and int8
+// the per-group loop (dot_rows), which decodes each weight group once for kRowBlock rows:
+// dot_rows_int4 keeps 4 pairs' sums per row in registers, and with more than 2 rows
+// they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs 16.0 ms; 2 rows
+// 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
+constexpr int64_t kPairsMaxRows = 1;
 
 template <bool kInt4>
 at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_bytes,
-                           const float* scales, const float* mins, int64_t num_out) {
+                        const uint16_t* scales, const uint16_t* mins, int64_t num_out) {
   const int64_t rows = x.size(0), cols = x.size(1), groups = cols / kGroup;
-  const QuantizedActivations qa = quantize_activations(x.data_ptr<float>(), rows, cols);
+#if defined(__AVX2__) && defined(__F16C__)
+  const bool pairs = kInt4 && rows <= kPairsMaxRows;
+#else
+  const bool pairs = false;
+#endif
+  const QuantizedActivations qa = quantize_activations(x.data_ptr<float>(), rows, cols, pairs);
   auto out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wrow = weight + n * row_bytes;
-      const float* srow = scales + n * groups;
-      const float* mrow = kInt4 ? mins + n * groups : nullptr;
+      const uint16_t* srow = scales + n * groups;
+      const uint16_t* mrow = kInt4 ? mins + n * groups : nullptr;
+      float* o = op + n;
+#if defined(__AVX2__) && defined(__F16C__)
+      if (pairs) {
+        dot_rows_int4<1>(wrow, srow, mrow, groups, qa, 0, o, num_out);
+        continue;
+      }
+#endif
       int64_t m0 = 0;
       for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
-        dot_rows<kInt4, kRowBlock>(wrow, srow, mrow, groups, qa, m0, cols, op + n, num_out);
+        dot_rows<kInt4, kRowBlock>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out);
       switch (rows - m0) {
-        case 3: dot_rows<kInt4, 3>(wrow, srow, mrow, groups, qa, m0, cols, op + n, num_out); break;
-        case 2: dot_rows<kInt4, 2>(wrow, srow, mrow, groups, qa, m0, cols, op + n, num_out); break;
-        case 1: dot_rows<kInt4, 1>(wrow, srow, mrow, groups, qa, m0, cols, op + n, num_out); break;
+        case 3: dot_rows<kInt4, 3>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
+        case 2: dot_rows<kInt4, 2>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
+        case 1: dot_rows<kInt4, 1>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
         default: break;
       }
     }
@@ -214,11 +353,11 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
               "packed must be a contiguous uint8 [N, K / 2] tensor");
   const int64_t num_out = packed.size(0), in_features = packed.size(1) * 2;
   check_common(x, scales, num_out, in_features);
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat &&
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
                   mins.is_contiguous(),
-              "mins must be a contiguous float32 tensor shaped like scales");
+              "mins must be a contiguous float16 tensor shaped like scales");
   return quant_linear<true>(x, packed.data_ptr<uint8_t>(), in_features / 2,
-                            scales.data_ptr<float>(), mins.data_ptr<float>(), num_out);
+                            halves(scales), halves(mins), num_out);
 }
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales) {
@@ -228,5 +367,5 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales) {
   const int64_t num_out = qweight.size(0), in_features = qweight.size(1);
   check_common(x, scales, num_out, in_features);
   return quant_linear<false>(x, reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()),
-                             in_features, scales.data_ptr<float>(), nullptr, num_out);
+                             in_features, halves(scales), nullptr, num_out);
 }
