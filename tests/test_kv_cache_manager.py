@@ -349,3 +349,37 @@ class TestKVCacheManager:
         assert manager.usage == 0.0
         assert manager.reset_prefix_cache()
         assert manager.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_steps_inside_a_held_block_do_no_work(caching, monkeypatch):
+    """Decoding token by token, allocate_slots touches the pool only when a step needs
+    a new block or completes a block to hash: 12 decode steps from a 6-token prompt
+    (block size 4) -> 3 new blocks and, with caching, 3 hashing calls; the blocks and
+    hashes equal those of a request that allocated the same tokens in one call."""
+    manager = KVCacheManager(16, BLOCK_SIZE, enable_caching=caching)
+    pool = manager.block_pool
+    calls = {"new": 0, "cache": 0}
+    for name, key in (("get_new_blocks", "new"), ("cache_full_blocks", "cache")):
+        real = getattr(pool, name)
+
+        def counted(*args, real=real, key=key):
+            calls[key] += 1
+            return real(*args)
+
+        monkeypatch.setattr(pool, name, counted)
+    request = make_request("a", list(range(6)))
+    prefill(manager, request)
+    calls.update(new=0, cache=0)
+    for step in range(12):
+        request.append_output_token_ids(100 + step)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    # Tokens 6..17 computed: blocks 2, 3, 4 are new (at tokens 8, 12, 16); blocks 1,
+    # 2, 3 complete (at tokens 8, 12, 16) and get hashed.
+    assert calls == {"new": 3, "cache": 3 if caching else 0}
+    assert len(manager.get_block_ids("a")) == 5
+    if caching:
+        assert [b.block_hash for b in manager.req_to_blocks["a"][:4]] == request.block_hashes
+    manager.free(request)
+    assert manager.allocate_slots(make_request("b", list(range(3))), 1) is not None

@@ -40,6 +40,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks already carry their hash.
         self.num_cached_blocks: dict[str, int] = {}
+        # req_id -> the tokens (computed + new) the request may reach with nothing to
+        # do: within the blocks it holds, short of completing an unhashed block. A
+        # decode step below it returns at once (most steps: one in block_size works).
+        self._no_work_until: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -85,18 +89,9 @@ class KVCacheManager:
         that the request takes now. Returns the newly allocated blocks (possibly
         empty), or None if the pool cannot hold them; on None nothing changed.
         """
-        if not new_computed_blocks:
-            # The common decode step: the tokens fit the blocks the request holds and
-            # complete no block that still needs its hash, so there is nothing to do.
-            req_blocks = self.req_to_blocks.get(request.req_id)
-            if req_blocks:
-                end = request.num_computed_tokens + num_new_tokens
-                if end <= len(req_blocks) * self.block_size and (
-                    not self.enable_caching
-                    or min(end // self.block_size, len(request.block_hashes))
-                    <= self.num_cached_blocks.get(request.req_id, 0)
-                ):
-                    return []
+        if not new_computed_blocks and (request.num_computed_tokens + num_new_tokens
+                                        <= self._no_work_until.get(request.req_id, -1)):
+            return []  # the common decode step (see `_no_work_until`)
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.req_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -135,7 +130,18 @@ class KVCacheManager:
                     req_blocks, request.block_hashes, num_cached, num_full_blocks
                 )
                 self.num_cached_blocks[request.req_id] = num_full_blocks
+        self._no_work_until[request.req_id] = self._tokens_without_work(request.req_id)
         return new_blocks
+
+    def _tokens_without_work(self, req_id: str) -> int:
+        """How many tokens (computed + new) `req_id` may reach before a call needs
+        new blocks or must hash a block: e.g. block_size 16, 5 blocks held, 3 of them
+        hashed -> min(5 * 16, 4 * 16 - 1) = 63 (token 64 completes block 3)."""
+        num_held_tokens = len(self.req_to_blocks[req_id]) * self.block_size
+        if not self.enable_caching:
+            return num_held_tokens
+        num_hashed = self.num_cached_blocks.get(req_id, 0)
+        return min(num_held_tokens, (num_hashed + 1) * self.block_size - 1)
 
     def _count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
@@ -163,6 +169,7 @@ class KVCacheManager:
         elif num_written_tokens is not None:
             self.block_pool.uncache_blocks(blocks[num_written_tokens // self.block_size:])
         self.num_cached_blocks.pop(request.req_id, None)
+        self._no_work_until.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, req_id: str) -> list[int]:
