@@ -27,8 +27,8 @@ def test_core_loop_and_frontend_playback():
 
 def test_mixed_sampling_and_prefill_mix_run():
     result = run_core(Workload("mix-8", 8, "mixed", with_prefill=True), num_steps=6,
-                      model_ms=0.0, prompt_len=40)
-    assert result.num_running == 8 and result.tokens_per_s > 0
+                      model_ms=0.0, prompt_len=40, clock="cpu")
+    assert result.num_running == 8 and result.tokens_per_s > 0 and result.clock == "cpu"
 
 
 def test_async_scheduling_run_applies_one_step_per_call():
