@@ -37,6 +37,7 @@ from server.serving_common import (
     check_prompts,
     check_template_kwargs,
     json_logprob,
+    json_string,
     make_usage,
     new_request_id,
     record_usage,
@@ -131,6 +132,32 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                   choices=choices, usage=usage)
 
 
+class ChatChunkWriter:
+    """The SSE events of one streamed chat completion.
+
+    Nearly every chunk is a plain content delta (no parser, no logprobs, not
+    finished): those are written from a template around the request's fixed fields,
+    byte for byte what the pydantic models write (tests/test_server_units.py checks
+    it); any other chunk goes through `ChatCompletionStreamResponse`.
+    """
+
+    def __init__(self, request_id: str, created: int, model: str):
+        self.request_id, self.created, self.model = request_id, created, model
+        self._head = (f'{{"id":{json_string(request_id)},"object":"chat.completion.chunk",'
+                      f'"created":{int(created)},"model":{json_string(model)},'
+                      '"choices":[{"index":')
+
+    def content(self, index: int, text: str) -> str:
+        """data: {... one choice: `index`, delta {"content": `text`}, unfinished ...}"""
+        return sse(f'{self._head}{index},"delta":{{"content":{json_string(text)}}},'
+                   '"logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}')
+
+    def choices(self, choices: list[ChatCompletionStreamChoice]) -> str:
+        return sse(ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+        ).model_dump_json())
+
+
 async def _chunks(
     state: ServerState,
     body: ChatCompletionRequest,
@@ -146,10 +173,8 @@ async def _chunks(
     A choice with a parser (tools, reasoning) sends what its parser lets out: text it
     holds back (a possible tag, an open tool call) comes with a later chunk.
     """
-    def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-        return sse(ChatCompletionStreamResponse(
-            id=request_id, created=created, model=state.model_name, choices=choices,
-        ).model_dump_json())
+    writer = ChatChunkWriter(request_id, created, state.model_name)
+    chunk = writer.choices
 
     finish_sent = [False] * body.n
     for index in range(body.n):
@@ -168,6 +193,9 @@ async def _chunks(
             finish_reason = output.finish_reason if finished else None
             if parser is None:
                 if not output.delta_text and not finished and logprobs is None:
+                    continue
+                if not finished and logprobs is None:
+                    yield writer.content(output.index, output.delta_text)
                     continue
                 delta = DeltaMessage(content=output.delta_text)
             else:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -52,6 +53,12 @@ def sse(data_json: str) -> str:
             if raw in data_json:
                 data_json = data_json.replace(raw, escaped)
     return f"data: {data_json}\n\n"
+
+
+def json_string(text: str) -> str:
+    """`text` as a JSON string literal, escaped exactly as pydantic's model_dump_json
+    escapes it (quotes, backslashes, control characters; non-ASCII kept as is)."""
+    return msgspec.json.encode(text).decode()
 
 
 def sse_error(exc: BaseException) -> str:

@@ -9,7 +9,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 
-import msgspec
 from fastapi import Request
 
 from engine.request_output import CompletionOutput, RequestOutput, SampleLogprob
@@ -29,6 +28,7 @@ from server.serving_common import (
     check_common,
     check_prompts,
     json_logprob,
+    json_string,
     make_usage,
     merge_streams,
     new_request_id,
@@ -185,22 +185,19 @@ class CompletionChunkWriter:
 
     def __init__(self, request_id: str, created: int, model: str):
         self.request_id, self.created, self.model = request_id, created, model
-        self._head = (f'{{"id":{_json(request_id)},"object":"text_completion",'
-                      f'"created":{int(created)},"model":{_json(model)},"choices":[{{"index":')
+        self._head = (f'{{"id":{json_string(request_id)},"object":"text_completion",'
+                      f'"created":{int(created)},"model":{json_string(model)},'
+                      '"choices":[{"index":')
 
     def text(self, index: int, text: str) -> str:
         """data: {... one choice: `index`, `text`, no logprobs, unfinished ...}"""
-        return sse(f'{self._head}{index},"text":{_json(text)},"logprobs":null,'
+        return sse(f'{self._head}{index},"text":{json_string(text)},"logprobs":null,'
                    '"finish_reason":null,"stop_reason":null}],"usage":null}')
 
     def choice(self, choice: CompletionStreamChoice) -> str:
         return sse(CompletionStreamResponse(
             id=self.request_id, created=self.created, model=self.model, choices=[choice],
         ).model_dump_json())
-
-
-def _json(text: str) -> str:
-    return msgspec.json.encode(text).decode()
 
 
 async def _chunks(

@@ -216,3 +216,18 @@ def test_completion_text_chunk_equals_the_pydantic_chunk():
             for text in texts:
                 assert writer.text(index, text) == writer.choice(
                     CompletionStreamChoice(index=index, text=text))
+
+
+def test_chat_content_chunk_equals_the_pydantic_chunk():
+    """The chat template writes exactly what ChatCompletionStreamResponse writes."""
+    from server.protocol import ChatCompletionStreamChoice, DeltaMessage
+    from server.serving_chat import ChatChunkWriter
+
+    texts = ["", "hello", ' "quoted" \\ back', "tab\tnl\ncr\r\x00\x1f\x7f", "é中😀",
+             "\u2028\u2029\u0085", "".join(chr(c) for c in range(0, 0x300))]
+    for request_id, model in [("chatcmpl-1", "m"), ('chatcmpl-"x"', "org/模型\\v1")]:
+        writer = ChatChunkWriter(request_id, 1_700_000_000, model)
+        for index in (0, 3):
+            for text in texts:
+                assert writer.content(index, text) == writer.choices(
+                    [ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=text))])
