@@ -32,6 +32,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes for KV; None = a share of free RAM
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory we may use
     num_gpu_blocks_override: int | None = None  # tests: force a small pool
+    # KV cache element type: "auto" = the model's compute dtype; on CPU also "float16" or
+    # "bfloat16" under a float32 model (half the bytes per token read by attention).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          default=str(CacheConfig.block_size))
     flag("--kv-cache-memory", "Bytes for the KV cache on CPU, with an optional K/M/G suffix "
          "(e.g. 2G). Default: a share of free memory.", type=_size)
+    flag("--kv-cache-dtype", "Element type of the KV cache: auto = the model's dtype; on CPU "
+         "float16 or bfloat16 under a float32 model halve the bytes attention reads per token "
+         "(and double the tokens a --kv-cache-memory holds), at that rounding of keys and "
+         "values.", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     flag("--gpu-memory-utilization", "Fraction of GPU memory this server may use (weights, "
          "activations and KV cache).", type=_fraction,
          default=str(CacheConfig.gpu_memory_utilization))
@@ -278,7 +282,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
             enforce_eager=args.enforce_eager),
         cache_config=CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_memory_bytes=args.kv_cache_memory,
+            kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override),
         scheduler_config=SchedulerConfig(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.hf_reference import Reference, assert_greedy_matches, hf_greedy_reference
@@ -129,6 +130,37 @@ def test_all_three_at_once(arch_case):
     llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
               num_gpu_blocks_override=24)
     assert_all_three_match(llm, shared, shared_ref)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@LLAMA_ONLY
+def test_half_precision_kv_cache_matches(arch_case, kv_cache_dtype):
+    """A float32 model over a float16 / bfloat16 KV cache (--kv-cache-dtype, CPU): the cache
+    really holds that dtype, the decode kernel and the SDPA prefill read it, and greedy
+    tokens match transformers under prefix hits, chunked prefill and preemption (near-tie
+    rule: rounding keys and values may flip a near-tie)."""
+    model_dir, _, _, shared, shared_ref = arch_case
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              num_gpu_blocks_override=24, kv_cache_dtype=kv_cache_dtype)
+    caches = llm.engine_core.executor.runner.kv_caches
+    assert caches and all(c.dtype == getattr(torch, kv_cache_dtype) for c in caches)
+    assert_all_three_match(llm, shared, shared_ref)
+
+
+def test_kv_cache_dtype_choices():
+    from engine.worker.kv_cache_init import resolve_kv_cache_dtype
+    from server.cli import engine_config_from_args, make_arg_parser
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_cache_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_cache_dtype("float16", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_kv_cache_dtype("fp8", torch.float32, cpu)
+    args = make_arg_parser().parse_args(["--kv-cache-dtype", "bfloat16"])
+    assert engine_config_from_args(args, "/m", "m").cache_config.kv_cache_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("arch_case", ["llama", "qwen3_moe"], indirect=True)

@@ -131,8 +131,11 @@ class Worker:
         if device.type != "cuda":
             num_profile_tokens = min(num_profile_tokens, CPU_PROFILE_TOKENS)
         self.runner.profile_run(num_profile_tokens)
-        self.specs = kv_cache_init.get_kv_cache_specs(self.runner.attention_layers, dtype,
-                                                      block_size)
+        self.specs = kv_cache_init.get_kv_cache_specs(
+            self.runner.attention_layers,
+            kv_cache_init.resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype,
+                                                 device),
+            block_size)
         self.dtype = dtype
         available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
         if device.type == "cpu":
@@ -152,7 +155,8 @@ class Worker:
                 num_blocks, block_size, num_tokens,
                 num_blocks * sum(s.block_bytes for s in self.specs) / 2**20,
                 f" on each of {self.rank.size} ranks" if self.rank.size > 1 else "",
-                self.dtype, self.backend.name, self.max_model_len,
+                self.specs[0].dtype if self.specs else self.dtype, self.backend.name,
+                self.max_model_len,
                 num_tokens / self.max_model_len,
             )
 

@@ -47,6 +47,23 @@ def get_kv_cache_specs(
     return [KVCacheSpec(layer.num_kv_heads, layer.head_size, dtype, block_size) for layer in layers]
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
+                           device: torch.device) -> torch.dtype:
+    """The KV cache's element type: `auto` is the model's dtype. A different one is a CPU
+    feature (the attention there widens the cache to the query's dtype as it reads it);
+    the CUDA kernels take the model's dtype only."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    dtype = model_dtype if name == "auto" else getattr(torch, name)
+    if dtype != model_dtype and device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype {name} differs from the model's "
+                         f"{str(model_dtype).removeprefix('torch.')}: supported on CPU only")
+    return dtype
+
+
 def cpu_available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
     try:
