@@ -24,6 +24,10 @@ class ModelConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
 
 
+# --kv-cache-dtype's choices: "auto" = the model's compute dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -159,7 +160,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--kv-cache-dtype", "Element type of the KV cache: auto = the model's dtype; on CPU "
          "float16 or bfloat16 under a float32 model halve the bytes attention reads per token "
          "(and double the tokens a --kv-cache-memory holds), at that rounding of keys and "
-         "values.", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+         "values.", choices=KV_CACHE_DTYPES, default="auto")
     flag("--gpu-memory-utilization", "Fraction of GPU memory this server may use (weights, "
          "activations and KV cache).", type=_fraction,
          default=str(CacheConfig.gpu_memory_utilization))

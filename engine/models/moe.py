@@ -109,6 +109,8 @@ class FusedExperts(nn.Module):
             expert_out = F.linear(F.silu(gate) * up, self.down_proj[expert])
             out.index_add_(0, tokens, expert_out * flat_weights[slots, None])
         return out
+
+
 def _read_experts(tensor: CheckpointTensor, experts: RowRange, dim: int,
                   rows: RowRange) -> torch.Tensor:
     """stacked[experts, ..., rows along `dim`, ...], read from disk in one slice.

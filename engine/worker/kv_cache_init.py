@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.layer import Attention
-from engine.config import CacheConfig
+from engine.config import KV_CACHE_DTYPES, CacheConfig
 
 # CPU default when --kv-cache-memory is not given: this share of available RAM, capped.
 CPU_DEFAULT_KV_SHARE = 0.25
@@ -45,9 +45,6 @@ def get_kv_cache_specs(
     layers: list[Attention], dtype: torch.dtype, block_size: int
 ) -> list[KVCacheSpec]:
     return [KVCacheSpec(layer.num_kv_heads, layer.head_size, dtype, block_size) for layer in layers]
-
-
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
