@@ -31,6 +31,7 @@ from server.protocol import (
 from server.reasoning import grammar_after_reasoning
 from server.serving_common import (
     EngineStreamingResponse,
+    StreamChunkWriter,
     apply_chat_template,
     build_sampling_params,
     check_common,
@@ -43,7 +44,6 @@ from server.serving_common import (
     record_usage,
     record_user,
     run_until_disconnect,
-    sse,
     sse_body,
     usage_chunk_for,
 )
@@ -132,30 +132,18 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                                   choices=choices, usage=usage)
 
 
-class ChatChunkWriter:
-    """The SSE events of one streamed chat completion.
+class ChatChunkWriter(StreamChunkWriter):
+    """The SSE events of one streamed chat completion (see StreamChunkWriter)."""
 
-    Nearly every chunk is a plain content delta (no parser, no logprobs, not
-    finished): those are written from a template around the request's fixed fields,
-    byte for byte what the pydantic models write (tests/test_server_units.py checks
-    it); any other chunk goes through `ChatCompletionStreamResponse`.
-    """
-
-    def __init__(self, request_id: str, created: int, model: str):
-        self.request_id, self.created, self.model = request_id, created, model
-        self._head = (f'{{"id":{json_string(request_id)},"object":"chat.completion.chunk",'
-                      f'"created":{int(created)},"model":{json_string(model)},'
-                      '"choices":[{"index":')
+    object_name = "chat.completion.chunk"
+    response_type = ChatCompletionStreamResponse
 
     def content(self, index: int, text: str) -> str:
         """data: {... one choice: `index`, delta {"content": `text`}, unfinished ...}"""
-        return sse(f'{self._head}{index},"delta":{{"content":{json_string(text)}}},'
-                   '"logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}')
+        return self._templated(index, f'"delta":{{"content":{json_string(text)}}}')
 
     def choices(self, choices: list[ChatCompletionStreamChoice]) -> str:
-        return sse(ChatCompletionStreamResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices,
-        ).model_dump_json())
+        return self._response(choices)
 
 
 async def _chunks(

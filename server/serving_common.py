@@ -61,6 +61,37 @@ def json_string(text: str) -> str:
     return msgspec.json.encode(text).decode()
 
 
+class StreamChunkWriter:
+    """The SSE events of one streamed response (completion or chat chunks).
+
+    Nearly every chunk is one unfinished choice with a plain delta and no logprobs:
+    those are written from a template around the request's fixed fields, byte for
+    byte what the pydantic model writes (tests/test_server_units.py checks each
+    subclass) at a fraction of its cost; any other chunk goes through
+    `response_type`. Subclasses set `object_name` and `response_type`.
+    """
+
+    object_name: str
+    response_type: type
+
+    def __init__(self, request_id: str, created: int, model: str):
+        self.request_id, self.created, self.model = request_id, created, model
+        self._head = (f'{{"id":{json_string(request_id)},"object":"{self.object_name}",'
+                      f'"created":{int(created)},"model":{json_string(model)},'
+                      '"choices":[{"index":')
+
+    def _templated(self, index: int, delta_fields: str) -> str:
+        """data: {... one choice: `index`, `delta_fields` (JSON members), no logprobs,
+        unfinished; no usage}"""
+        return sse(f'{self._head}{index},{delta_fields},"logprobs":null,'
+                   '"finish_reason":null,"stop_reason":null}],"usage":null}')
+
+    def _response(self, choices: list) -> str:
+        return sse(self.response_type(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+        ).model_dump_json())
+
+
 def sse_error(exc: BaseException) -> str:
     """An error as one SSE data line (the stream then ends with [DONE])."""
     return sse(from_exception(exc).to_json())

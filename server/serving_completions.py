@@ -24,6 +24,7 @@ from server.protocol import (
 )
 from server.serving_common import (
     EngineStreamingResponse,
+    StreamChunkWriter,
     build_sampling_params,
     check_common,
     check_prompts,
@@ -35,7 +36,6 @@ from server.serving_common import (
     record_usage,
     record_user,
     run_until_disconnect,
-    sse,
     sse_body,
     usage_chunk_for,
 )
@@ -174,30 +174,18 @@ def _choice_logprobs(formatter: _LogprobFormatter, final: RequestOutput,
     return merged
 
 
-class CompletionChunkWriter:
-    """The SSE events of one streamed completion.
+class CompletionChunkWriter(StreamChunkWriter):
+    """The SSE events of one streamed completion (see StreamChunkWriter)."""
 
-    Nearly every chunk is a plain text delta (no logprobs, not finished): those are
-    written from a template around the request's fixed fields, byte for byte what
-    the pydantic model writes (tests/test_server_units.py checks it) at a fraction of
-    its cost; any other chunk goes through `CompletionStreamResponse`.
-    """
-
-    def __init__(self, request_id: str, created: int, model: str):
-        self.request_id, self.created, self.model = request_id, created, model
-        self._head = (f'{{"id":{json_string(request_id)},"object":"text_completion",'
-                      f'"created":{int(created)},"model":{json_string(model)},'
-                      '"choices":[{"index":')
+    object_name = "text_completion"
+    response_type = CompletionStreamResponse
 
     def text(self, index: int, text: str) -> str:
         """data: {... one choice: `index`, `text`, no logprobs, unfinished ...}"""
-        return sse(f'{self._head}{index},"text":{json_string(text)},"logprobs":null,'
-                   '"finish_reason":null,"stop_reason":null}],"usage":null}')
+        return self._templated(index, f'"text":{json_string(text)}')
 
     def choice(self, choice: CompletionStreamChoice) -> str:
-        return sse(CompletionStreamResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice],
-        ).model_dump_json())
+        return self._response([choice])
 
 
 async def _chunks(
