@@ -201,6 +201,12 @@ def test_sse_events_survive_clients_that_split_on_unicode_line_breaks(char):
     assert "é" in event  # other non-ASCII text stays as it is
 
 
+# Every kind of character a chunk template must escape as pydantic does: controls,
+# quotes, backslashes, non-ASCII, line separators, emoji.
+CHUNK_TEXTS = ["", "hello", ' "quoted" \\ back', "tab\tnl\ncr\r\x00\x1f\x7f", "é中😀",
+               "\u2028\u2029\u0085", "".join(chr(c) for c in range(0, 0x300))]
+
+
 def test_completion_text_chunk_equals_the_pydantic_chunk():
     """The template behind nearly every streamed completion chunk writes exactly what
     CompletionStreamResponse writes, for every kind of character (controls, quotes,
@@ -208,12 +214,10 @@ def test_completion_text_chunk_equals_the_pydantic_chunk():
     from server.protocol import CompletionStreamChoice
     from server.serving_completions import CompletionChunkWriter
 
-    texts = ["", "hello", ' "quoted" \\ back', "tab\tnl\ncr\r\x00\x1f\x7f", "é中😀",
-             "\u2028\u2029\u0085", "".join(chr(c) for c in range(0, 0x300))]
     for request_id, model in [("cmpl-1", "m"), ('cmpl-"x"', "org/模型\\v1")]:
         writer = CompletionChunkWriter(request_id, 1_700_000_000, model)
         for index in (0, 7):
-            for text in texts:
+            for text in CHUNK_TEXTS:
                 assert writer.text(index, text) == writer.choice(
                     CompletionStreamChoice(index=index, text=text))
 
@@ -223,11 +227,9 @@ def test_chat_content_chunk_equals_the_pydantic_chunk():
     from server.protocol import ChatCompletionStreamChoice, DeltaMessage
     from server.serving_chat import ChatChunkWriter
 
-    texts = ["", "hello", ' "quoted" \\ back', "tab\tnl\ncr\r\x00\x1f\x7f", "é中😀",
-             "\u2028\u2029\u0085", "".join(chr(c) for c in range(0, 0x300))]
     for request_id, model in [("chatcmpl-1", "m"), ('chatcmpl-"x"', "org/模型\\v1")]:
         writer = ChatChunkWriter(request_id, 1_700_000_000, model)
         for index in (0, 3):
-            for text in texts:
+            for text in CHUNK_TEXTS:
                 assert writer.content(index, text) == writer.choices(
                     [ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=text))])
