@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -208,11 +208,19 @@ def warmed_pagedserve(args: argparse.Namespace, model_dir: str) -> Iterator[str]
             stop(process)
 
 
-def abba_order(rounds: int) -> list[bool]:
-    """Without (False) and with (True), in ABBA order so a machine's drift cancels out:
-    rounds=2 -> [False, True, True, False]."""
-    return [variant for r in range(rounds)
-            for variant in ((False, True) if r % 2 == 0 else (True, False))]
+def abba_runs(rounds: int, names: tuple[str, str],
+              run: Callable[[str, bool], dict]) -> list[tuple[bool, dict]]:
+    """Without (False) and with (True), in ABBA order so a machine's drift cancels out
+    (rounds=2 -> False, True, True, False): `run(label, variant)` for each, label
+    "run<i>-<names[variant]>" (printed first). Returns [(variant, its result)] in order."""
+    order = [variant for r in range(rounds)
+             for variant in ((False, True) if r % 2 == 0 else (True, False))]
+    runs = []
+    for index, variant in enumerate(order):
+        label = f"run{index + 1}-{names[variant]}"
+        print(f"[{label}]", flush=True)
+        runs.append((variant, run(label, variant)))
+    return runs
 
 
 def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: str,

@@ -30,7 +30,7 @@ import httpx
 
 from benchmarks import serve as bench_serve
 from benchmarks.compare_servers import (
-    abba_order,
+    abba_runs,
     bench_args,
     check_output_tokens,
     warmed_pagedserve,
@@ -168,13 +168,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_runs(args: argparse.Namespace, model_dir: str) -> dict:
-    runs: list[tuple[bool, dict]] = []
     with warmed_pagedserve(args, model_dir) as base_url:
-        for index, constrained in enumerate(abba_order(args.rounds)):
-            label = f"run{index + 1}-{'json_schema' if constrained else 'free'}"
-            print(f"[{label}]", flush=True)
-            runs.append((constrained, run_level(args, base_url, model_dir, label,
-                                                constrained)))
+        runs = abba_runs(args.rounds, ("free", "json_schema"),
+                         lambda label, constrained: run_level(args, base_url, model_dir, label,
+                                                              constrained))
         compile_sum, compile_count = server_compile_seconds(base_url)
 
     print(f"\n{args.clients} clients x {args.prompts_per_client} prompts, "

@@ -29,7 +29,7 @@ import httpx
 
 from benchmarks import serve as bench_serve
 from benchmarks.compare_servers import (
-    abba_order,
+    abba_runs,
     bench_args,
     check_output_tokens,
     warmed_pagedserve,
@@ -113,13 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(resolve_model(args.model).path)
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    runs: list[tuple[bool, dict]] = []
     with warmed_pagedserve(args, model_dir) as base_url:
-        for index, with_viewer in enumerate(abba_order(args.rounds)):
-            label = f"run{index + 1}-{'viewer' if with_viewer else 'none'}"
-            print(f"[{label}]", flush=True)
-            runs.append((with_viewer, run_level(args, base_url, model_dir, label,
-                                                with_viewer)))
+        runs = abba_runs(args.rounds, ("none", "viewer"),
+                         lambda label, with_viewer: run_level(args, base_url, model_dir, label,
+                                                              with_viewer))
 
     print(f"\n{args.clients} clients x {args.prompts_per_client} prompts, "
           f"{args.input_len} -> {args.output_len} tokens; {model_dir}")
