@@ -227,7 +227,7 @@ inline void dot_rows_int4(const uint8_t* wrow, const uint16_t* srow, const uint1
 // out[m, n] for R rows m0..m0+R-1 and one output row n.
 template <bool kInt4, int R>
 inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow, int64_t groups,
-                     const QuantizedActivations& qa, int64_t m0, int64_t cols, float* out,
+                     const QuantizedActivations& qa, int64_t m0, float* out,
                      int64_t out_stride) {
   __m256 acc[R];
   float acc_min[R];
@@ -256,7 +256,7 @@ inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* 
 // Portable version of the same arithmetic: integer dot per group, scaled in float.
 template <bool kInt4, int R>
 inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow, int64_t groups,
-                     const QuantizedActivations& qa, int64_t m0, int64_t cols, float* out,
+                     const QuantizedActivations& qa, int64_t m0, float* out,
                      int64_t out_stride) {
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
@@ -332,11 +332,11 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
 #endif
       int64_t m0 = 0;
       for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
-        dot_rows<kInt4, kRowBlock>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out);
+        dot_rows<kInt4, kRowBlock>(wrow, srow, mrow, groups, qa, m0, o, num_out);
       switch (rows - m0) {
-        case 3: dot_rows<kInt4, 3>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
-        case 2: dot_rows<kInt4, 2>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
-        case 1: dot_rows<kInt4, 1>(wrow, srow, mrow, groups, qa, m0, cols, o, num_out); break;
+        case 3: dot_rows<kInt4, 3>(wrow, srow, mrow, groups, qa, m0, o, num_out); break;
+        case 2: dot_rows<kInt4, 2>(wrow, srow, mrow, groups, qa, m0, o, num_out); break;
+        case 1: dot_rows<kInt4, 1>(wrow, srow, mrow, groups, qa, m0, o, num_out); break;
         default: break;
       }
     }
