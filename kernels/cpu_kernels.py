@@ -9,6 +9,9 @@
   with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 - `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
   residual add, RoPE, SiLU x up, the KV-cache write), one call each.
+- `kernels/cpu/decoder_stack.cpp`: a dense decoder's layers in one call, the kernels
+  above one after another (engine.models.fused_decoder). `kernels/cpu/ops.h` declares
+  every entry point.
 
 The extension is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
 `-march=native`, so for this machine; ~1 min of compiler time, four files built in
@@ -34,7 +37,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_attention.cpp", "quant_linear.cpp", "fused_ops.cpp", "bindings.cpp")]
+           for name in ("paged_attention.cpp", "quant_linear.cpp", "fused_ops.cpp",
+                        "decoder_stack.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET

@@ -26,6 +26,7 @@ from torch import nn
 from engine.attention import Attention
 from engine.distributed.parallel_state import get_tp_group
 from engine.distributed.sharding import shard_heads
+from engine.models.fused_decoder import STEPS_RUN, FusedDecoderStack
 from engine.models.layers import (
     GatedMLP,
     LMHead,
@@ -119,14 +120,28 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding.from_config(config, head_size_of(config))
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The layers as one C++ call on the CPU (engine.models.fused_decoder), built on
+        # the first step that runs with a KV cache (weights loaded and quantized by then).
+        self._fused: FusedDecoderStack | None | bool = False  # False: not built yet
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
+        fused = self._fused_stack()
+        result = None if fused is None else fused.run(hidden_states, cos, sin)
+        if result is not None:
+            STEPS_RUN["fused"] += 1
+            return self.norm(*result)[0]
+        STEPS_RUN["modules"] += 1
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, cos, sin)
         return self.norm(hidden_states, residual)[0]
+
+    def _fused_stack(self) -> FusedDecoderStack | None:
+        if self._fused is False and self.layers[0].self_attn.attn.kv_cache is not None:
+            self._fused = FusedDecoderStack.build(self.layers)
+        return self._fused or None
 
 
 class DecoderForCausalLM(nn.Module):

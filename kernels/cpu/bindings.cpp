@@ -5,18 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
-                     at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
-                     double scale);
-at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                          at::Tensor mins);
-at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void rotary_neox_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
-void silu_and_mul(at::Tensor out, at::Tensor x);
-void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
-                    at::Tensor slot_mapping);
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
@@ -30,4 +19,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:].");
   m.def("write_kv_cache", &write_kv_cache,
         "key/value [T, Hkv, D] into their slots of the head-major paged cache (-1 skipped).");
+
+  py::class_<LinearWeights>(m, "LinearWeights")
+      .def(py::init<>())
+      .def_readwrite("dense", &LinearWeights::dense)
+      .def_readwrite("bias", &LinearWeights::bias)
+      .def_readwrite("data", &LinearWeights::data)
+      .def_readwrite("scales", &LinearWeights::scales)
+      .def_readwrite("mins", &LinearWeights::mins)
+      .def_readwrite("quant_bits", &LinearWeights::quant_bits)
+      .def_readwrite("quant_max_rows", &LinearWeights::quant_max_rows);
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init<>())
+      .def_readwrite("input_norm", &LayerWeights::input_norm)
+      .def_readwrite("post_attention_norm", &LayerWeights::post_attention_norm)
+      .def_readwrite("qkv", &LayerWeights::qkv)
+      .def_readwrite("o", &LayerWeights::o)
+      .def_readwrite("gate_up", &LayerWeights::gate_up)
+      .def_readwrite("down", &LayerWeights::down);
+  py::class_<DecoderShape>(m, "DecoderShape")
+      .def(py::init<>())
+      .def_readwrite("num_heads", &DecoderShape::num_heads)
+      .def_readwrite("num_kv_heads", &DecoderShape::num_kv_heads)
+      .def_readwrite("head_size", &DecoderShape::head_size)
+      .def_readwrite("rms_norm_eps", &DecoderShape::rms_norm_eps)
+      .def_readwrite("attention_scale", &DecoderShape::attention_scale);
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<LayerWeights>, DecoderShape>())
+      .def("forward", &DecoderStack::forward,
+           "A step's decoder layers: (hidden, cos, sin, kv_caches, slot_mapping, block_table, "
+           "row_tables, seq_lens) -> (last MLP output, residual stream).");
 }

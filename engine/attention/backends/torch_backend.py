@@ -189,7 +189,8 @@ class TorchAttentionBackend(AttentionBackend):
             key, value = key[:num_tokens], value[:num_tokens]
         write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens],
                           all_slots_valid=True)
-        if self._kernel_fits(query, kv_cache) and metadata.block_table.dtype == torch.int32:
+        if (self.kernel_fits(query.dtype, query.shape[-1], kv_cache)
+                and metadata.block_table.dtype == torch.int32):
             prefill_reqs = self._attend_with_kernel(query, kv_cache, metadata, scale, out)
         else:
             decode_reqs = metadata.decode_reqs_np
@@ -203,10 +204,19 @@ class TorchAttentionBackend(AttentionBackend):
             self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
         return out
 
-    def _kernel_fits(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return (self.kernel is not None and query.device.type == "cpu"
-                and query.dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES
-                and kv_cache.is_contiguous() and query.shape[-1] in KERNEL_HEAD_SIZES)
+    def kernel_fits(self, query_dtype: torch.dtype, head_size: int, kv_cache: torch.Tensor
+                    ) -> bool:
+        """Whether the in-place C++ kernel takes queries of this dtype and head size
+        over this cache."""
+        return (self.kernel is not None and kv_cache.device.type == "cpu"
+                and query_dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES
+                and kv_cache.is_contiguous() and head_size in KERNEL_HEAD_SIZES)
+
+    def kernel_rows(self, metadata: AttentionMetadata) -> KernelRows:
+        """The step's `KernelRows`, planned on the first layer's call and reused."""
+        if self._planned is None or self._planned[0] is not metadata:
+            self._planned = (metadata, KernelRows.plan(metadata))
+        return self._planned[1]
 
     def _attend_with_kernel(self, query, kv_cache, metadata, scale, out) -> np.ndarray:
         """Decodes and short chunks in one kernel call, straight from the paged cache;
@@ -215,9 +225,7 @@ class TorchAttentionBackend(AttentionBackend):
         The kernel takes float32 queries and writes float32 outputs whatever the
         cache's dtype; bf16/fp16 queries are widened first and outputs rounded back.
         """
-        if self._planned is None or self._planned[0] is not metadata:
-            self._planned = (metadata, KernelRows.plan(metadata))
-        rows = self._planned[1]
+        rows = self.kernel_rows(metadata)
         if len(rows.seq_lens) == 0:
             return rows.sdpa_reqs
         if rows.token_idx is None:  # every token (the usual decode step)

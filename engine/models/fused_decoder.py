@@ -1,0 +1,132 @@
+"""A dense decoder's layers as one C++ call per CPU step (`kernels/cpu/decoder_stack.cpp`).
+
+At one client a SmolLM2 decode step spends about as long in the interpreter between
+the kernels (~40 Python-level calls per layer: module calls, views, the attention
+backend's checks) as in its int4 matmuls. The stack runs the same kernels in the same
+order on the same tensors from C++, so its output is bitwise the modules' (tested);
+the modules stay the reference and run every step the stack declines:
+
+- built only for models whose layers are all `DecoderLayer`s with a `GatedMLP`, no
+  per-head q/k norm (Qwen3), float32 weights, one rank (no tensor parallelism), with
+  the C++ kernels built;
+- taken only for steps whose every token is a row of the in-place attention kernel
+  (decodes and short prompt chunks, no SDPA prefill), on float32 activations, with a
+  float32/bfloat16/float16 cache.
+
+`PAGEDSERVE_FUSED_DECODER=0` turns it off (the modules then run every step).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+from torch import nn
+
+from engine.attention.backends.torch_backend import TorchAttentionBackend
+from engine.attention.forward_context import get_forward_context
+from engine.distributed.parallel_state import get_tp_group
+from engine.models.layers import GatedMLP, Linear
+from engine.models.quant import KERNEL_CALLS
+from kernels.cpu_kernels import cpu_kernels
+
+STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_FUSED_DECODER", "1") != "0"
+
+
+class FusedDecoderStack:
+    """The C++ stack of one model's layers and the quantized-kernel calls it makes."""
+
+    def __init__(self, stack, layers: nn.ModuleList, quantized: list[tuple[int, int]]):
+        self._stack = stack
+        self._attentions = [layer.self_attn.attn for layer in layers]
+        self._head_size = layers[0].self_attn.head_size
+        self._quantized = quantized  # (bits, max_rows) of every quantized linear
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList) -> FusedDecoderStack | None:
+        """The stack over `layers` (their loaded, quantized weights, shared not copied),
+        or None where the model or the machine does not suit it."""
+        ops = cpu_kernels()
+        if ops is None or not enabled() or get_tp_group().size != 1 or len(layers) == 0:
+            return None
+        first = layers[0].self_attn
+        if not all(_suits(layer) for layer in layers):
+            return None
+        shape = ops.DecoderShape()
+        shape.num_heads, shape.num_kv_heads = first.num_heads, first.num_kv_heads
+        shape.head_size = first.head_size
+        shape.rms_norm_eps = layers[0].input_layernorm.eps
+        shape.attention_scale = first.attn.scale
+        weights, quantized = [], []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            w = ops.LayerWeights()
+            w.input_norm = layer.input_layernorm.weight.data
+            w.post_attention_norm = layer.post_attention_layernorm.weight.data
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            w.qkv, w.o, w.gate_up, w.down = (_linear_weights(ops, lin) for lin in linears)
+            weights.append(w)
+            quantized += [(lw.quant_bits, lw.quant_max_rows)
+                          for lw in (w.qkv, w.o, w.gate_up, w.down) if lw.quant_bits]
+        return cls(ops.DecoderStack(weights, shape), layers, quantized)
+
+    def run(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(embeddings [T, hidden], RoPE cos/sin) -> (last MLP output, residual stream),
+        or None when this step is not one the stack takes (the caller runs the modules)."""
+        context = get_forward_context()
+        backend, metadata = context.backend, context.attn_metadata
+        kv_caches = [attention.kv_cache for attention in self._attentions]
+        cache = kv_caches[0]
+        if (not isinstance(backend, TorchAttentionBackend)
+                or hidden_states.dtype != torch.float32 or not hidden_states.is_contiguous()
+                or cache is None
+                or not backend.kernel_fits(torch.float32, self._head_size, cache)
+                or hidden_states.shape[0] != metadata.num_actual_tokens
+                or metadata.block_table.dtype != torch.int32
+                or metadata.slot_mapping.dtype != torch.int64):
+            return None
+        rows = backend.kernel_rows(metadata)
+        if rows.token_idx is not None or len(rows.sdpa_reqs):
+            return None  # some tokens are not kernel rows (an SDPA prefill)
+        self._count_kernel_calls(hidden_states.shape[0])
+        return self._stack.forward(hidden_states, cos, sin, kv_caches,
+                                   metadata.slot_mapping.contiguous(), metadata.block_table,
+                                   rows.row_tables, rows.seq_lens)
+
+    def _count_kernel_calls(self, num_rows: int) -> None:
+        for bits, max_rows in self._quantized:
+            if num_rows <= max_rows:
+                KERNEL_CALLS[f"int{bits}"] += 1
+
+
+def _suits(layer: nn.Module) -> bool:
+    from engine.models.llama import DecoderLayer  # llama imports this module
+
+    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
+        return False
+    attn = layer.self_attn
+    if attn.q_norm is not None or attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
+        return False
+    return all(param.dtype == torch.float32 and param.device.type == "cpu"
+               for param in layer.parameters())
+
+
+def _linear_weights(ops, linear: Linear):
+    w = ops.LinearWeights()
+    w.dense = linear.weight.data
+    if linear.bias is not None:
+        w.bias = linear.bias.data
+    quantized = linear.quantized
+    if quantized is not None and quantized.serves(1):
+        w.quant_bits = 4 if quantized.spec.method == "int4" else 8
+        w.quant_max_rows = quantized.max_rows
+        w.data, w.scales = quantized.data, quantized.scales
+        if quantized.mins is not None:
+            w.mins = quantized.mins
+    return w

@@ -1,0 +1,79 @@
+// A dense Llama-family decoder's layers in one call: the same kernels, in the same
+// order and on the same tensors as engine/models/llama.py's DecoderLayer.forward, with
+// no interpreter between them. At one client a step's ~40 Python-level calls per layer
+// cost as much as its int4 matmuls; here they cost a few microseconds each.
+//
+// Per layer (T tokens, H query heads, Hkv KV heads, D head size):
+//   h, residual = rms_norm(h) , h              first layer (the stream is the input)
+//   h, residual = rms_norm(h + residual), ...  later layers (add_rms_norm_, in place)
+//   qkv = h @ Wqkv.T          [T, (H + 2 Hkv) D]; q, k, v are column slices of it
+//   rotary_neox_(q, k)        in place, in qkv
+//   write_kv_cache(k, v)      into this layer's paged cache at slot_mapping
+//   a = paged_attention(q)    [T, H, D] over each token's cached context
+//   h = a @ Wo.T ; h, residual = rms_norm(h + residual), ...
+//   h = down(silu(gate) * up)  with gate | up = h @ Wgate_up.T
+#include "ops.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+
+namespace {
+
+// Linear._matmul: the quantized kernel for batches it serves, else the float weight.
+at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
+  if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
+    const at::Tensor x32 = x.is_contiguous() ? x : x.contiguous();
+    at::Tensor out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
+                                       : int8_linear(x32, w.data, w.scales);
+    return w.bias.defined() ? at::add(out, w.bias) : out;
+  }
+  return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
+                                                 : c10::optional<at::Tensor>());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
+    at::Tensor hidden, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv_caches,
+    at::Tensor slot_mapping, at::Tensor block_table, at::Tensor row_tables,
+    at::Tensor seq_lens) const {
+  const std::vector<LayerWeights>& layers = layers_;
+  const DecoderShape& shape = shape_;
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "decoder_stack: hidden must be contiguous float32 [T, hidden_size]");
+  TORCH_CHECK(kv_caches.size() == layers.size(), "decoder_stack: one KV cache per layer");
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = shape.num_heads * shape.head_size;
+  const int64_t kv_size = shape.num_kv_heads * shape.head_size;
+  at::Tensor h = hidden, residual;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerWeights& layer = layers[i];
+    if (i == 0) {
+      residual = h;
+      h = at::empty_like(residual);
+      rms_norm(h, residual, layer.input_norm, shape.rms_norm_eps);
+    } else {
+      add_rms_norm_(h, residual, layer.input_norm, shape.rms_norm_eps);
+    }
+    const at::Tensor qkv = linear(layer.qkv, h);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, shape.num_heads, shape.head_size});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, shape.num_kv_heads, shape.head_size});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
+                       .view({tokens, shape.num_kv_heads, shape.head_size});
+    rotary_neox_(q, k, cos, sin);
+    write_kv_cache(k, v, kv_caches[i], slot_mapping);
+    const at::Tensor q_rows = q.is_contiguous() ? q : q.contiguous();
+    at::Tensor attn = at::empty_like(q_rows);
+    paged_attention(attn, q_rows, kv_caches[i], block_table, row_tables,
+                    seq_lens, shape.attention_scale);
+    h = linear(layer.o, attn.view({tokens, q_size}));
+    add_rms_norm_(h, residual, layer.post_attention_norm, shape.rms_norm_eps);
+    const at::Tensor gate_up = linear(layer.gate_up, h);
+    at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(act, gate_up);
+    h = linear(layer.down, act);
+  }
+  return {h, residual};
+}

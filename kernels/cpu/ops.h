@@ -1,0 +1,68 @@
+// The C++ CPU kernels' entry points, as bindings.cpp exposes them to Python and
+// decoder_stack.cpp calls them one after another (see each .cpp for its contract).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+// paged_attention.cpp
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
+                     at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
+                     double scale);
+// quant_linear.cpp
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
+at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
+// fused_ops.cpp
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_neox_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+void silu_and_mul(at::Tensor out, at::Tensor x);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
+                    at::Tensor slot_mapping);
+
+// decoder_stack.cpp: a dense Llama-family decoder's layers in one call.
+
+// One linear as engine.models.layers.Linear holds it. `dense` is the float weight
+// [N, K] (used for batches the quantized kernel does not take); `quant_bits` 4 or 8
+// with `data`/`scales`/`mins` as QuantizedWeight holds them, 0 for none; `bias`
+// undefined when the linear has none.
+struct LinearWeights {
+  at::Tensor dense, bias, data, scales, mins;
+  int64_t quant_bits = 0;
+  int64_t quant_max_rows = 0;
+};
+
+// One DecoderLayer: the two RMSNorm weights and the four linears.
+struct LayerWeights {
+  at::Tensor input_norm, post_attention_norm;
+  LinearWeights qkv, o, gate_up, down;
+};
+
+struct DecoderShape {
+  int64_t num_heads = 0, num_kv_heads = 0, head_size = 0;
+  double rms_norm_eps = 1e-6, attention_scale = 1.0;
+};
+
+// The layers of one model, built once after its weights are loaded (and quantized).
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<LayerWeights> layers, DecoderShape shape)
+      : layers_(std::move(layers)), shape_(shape) {}
+
+  // hidden [T, hidden_size] float32 contiguous (the embeddings; may be overwritten) ->
+  // (the last layer's MLP output, the residual stream), as the Python layers return
+  // them. cos/sin [T, rotary_dim] float32; kv_caches: each layer's paged cache;
+  // slot_mapping int64 [T]; block_table, row_tables, seq_lens: the in-place attention
+  // kernel's arguments with every token of the step one kernel row.
+  std::tuple<at::Tensor, at::Tensor> forward(
+      at::Tensor hidden, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv_caches,
+      at::Tensor slot_mapping, at::Tensor block_table, at::Tensor row_tables,
+      at::Tensor seq_lens) const;
+
+ private:
+  std::vector<LayerWeights> layers_;
+  DecoderShape shape_;
+};

@@ -1,0 +1,68 @@
+"""The fused decoder stack (engine.models.fused_decoder) against the Python layers.
+
+The stack runs the same kernels on the same tensors as the modules, so a whole
+generation with it must give the modules' tokens and their logprobs bit for bit, while
+its steps interleave with the modules' (prefill steps that need SDPA run the modules).
+Parity with `transformers` is test_correctness's, which runs the stack by default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.fused_decoder import STEPS_RUN
+from engine.models.quant import KERNEL_CALLS
+from kernels.cpu_kernels import cpu_kernels
+from tests.model_fixtures import build_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="C++ CPU kernels unavailable")
+
+# Long prompts (> the kernel's 64-token chunks) prefill through SDPA and the modules;
+# with a 96-token step budget the 200-token one is chunked across steps that also decode.
+PROMPT_LENS = [3, 200, 30, 70, 9]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def generate(model_dir, monkeypatch, fused: bool, **engine_kwargs):
+    monkeypatch.setenv("PAGEDSERVE_FUSED_DECODER", "1" if fused else "0")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+    prompts.append(prompts[1][:150] + [7, 8, 9])  # a prefix-cache hit on the chunked one
+    llm = LLM(str(model_dir), max_num_batched_tokens=96, kv_cache_memory="4MB", **engine_kwargs)
+    before, int4_calls = dict(STEPS_RUN), KERNEL_CALLS["int4"]
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    steps = {path: STEPS_RUN[path] - before.get(path, 0) for path in ("fused", "modules")}
+    steps["int4_calls"] = KERNEL_CALLS["int4"] - int4_calls
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    logprobs = [(out.outputs[0].logprobs.token_ids, out.outputs[0].logprobs.logprobs)
+                for out in outputs]
+    return tokens, logprobs, steps
+
+
+@pytest.mark.parametrize(("arch", "engine_kwargs"), [
+    ("llama", {}),
+    ("llama", {"quantization": "int4", "kv_cache_dtype": "bfloat16"}),
+    ("qwen2", {"quantization": "int8"}),  # qkv bias
+])
+def test_fused_stack_gives_the_modules_tokens_and_logprobs(tmp_path, monkeypatch, arch,
+                                                           engine_kwargs):
+    model_dir = build_tiny_checkpoint(tmp_path, arch, max_position_embeddings=512)
+    tokens, logprobs, steps = generate(model_dir, monkeypatch, True, **engine_kwargs)
+    ref_tokens, ref_logprobs, ref_steps = generate(model_dir, monkeypatch, False,
+                                                   **engine_kwargs)
+    assert tokens == ref_tokens
+    assert logprobs == ref_logprobs
+    assert ref_steps["fused"] == 0
+    # Both paths ran: the decode steps fused, the SDPA prefills through the modules.
+    assert steps["fused"] >= PARAMS.max_tokens - 1 and steps["modules"] >= 2
+    # The stack counts the quantized kernels' calls as the modules do.
+    assert steps["int4_calls"] == ref_steps["int4_calls"]
+    assert (steps["int4_calls"] > 0) == (engine_kwargs.get("quantization") == "int4")
+
+
+def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
+    model_dir = build_tiny_checkpoint(tmp_path, "qwen3", max_position_embeddings=512)
+    _, _, steps = generate(model_dir, monkeypatch, True)  # per-head q/k norms
+    assert steps["fused"] == 0 and steps["modules"] > 0
