@@ -45,6 +45,8 @@ def generate(model_dir, monkeypatch, fused: bool, **engine_kwargs):
     ("llama", {}),
     ("llama", {"quantization": "int4", "kv_cache_dtype": "bfloat16"}),
     ("qwen2", {"quantization": "int8"}),  # qkv bias
+    ("llama", {"dtype": "bfloat16", "quantization": "int4"}),  # widened around the kernels
+    ("qwen2", {"dtype": "bfloat16"}),
 ])
 def test_fused_stack_gives_the_modules_tokens_and_logprobs(tmp_path, monkeypatch, arch,
                                                            engine_kwargs):

@@ -7,11 +7,10 @@ order on the same tensors from C++, so its output is bitwise the modules' (teste
 the modules stay the reference and run every step the stack declines:
 
 - built only for models whose layers are all `DecoderLayer`s with a `GatedMLP`, no
-  per-head q/k norm (Qwen3), float32 weights, one rank (no tensor parallelism), with
-  the C++ kernels built;
+  per-head q/k norm (Qwen3), CPU weights of one dtype (float32, bfloat16 or float16),
+  one rank (no tensor parallelism), with the C++ kernels built;
 - taken only for steps whose every token is a row of the in-place attention kernel
-  (decodes and short prompt chunks, no SDPA prefill), on float32 activations, with a
-  float32/bfloat16/float16 cache.
+  (decodes and short prompt chunks, no SDPA prefill), with a cache the kernel reads.
 
 `PAGEDSERVE_FUSED_DECODER=0` turns it off (the modules then run every step).
 """
@@ -24,7 +23,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from engine.attention.backends.torch_backend import TorchAttentionBackend
+from engine.attention.backends.torch_backend import KERNEL_DTYPES, TorchAttentionBackend
 from engine.attention.forward_context import get_forward_context
 from engine.distributed.parallel_state import get_tp_group
 from engine.models.layers import GatedMLP, Linear
@@ -45,6 +44,7 @@ class FusedDecoderStack:
         self._stack = stack
         self._attentions = [layer.self_attn.attn for layer in layers]
         self._head_size = layers[0].self_attn.head_size
+        self._dtype = layers[0].input_layernorm.weight.dtype
         self._quantized = quantized  # (bits, max_rows) of every quantized linear
 
     @classmethod
@@ -55,7 +55,8 @@ class FusedDecoderStack:
         if ops is None or not enabled() or get_tp_group().size != 1 or len(layers) == 0:
             return None
         first = layers[0].self_attn
-        if not all(_suits(layer) for layer in layers):
+        dtype = layers[0].input_layernorm.weight.dtype
+        if dtype not in KERNEL_DTYPES or not all(_suits(layer, dtype) for layer in layers):
             return None
         shape = ops.DecoderShape()
         shape.num_heads, shape.num_kv_heads = first.num_heads, first.num_kv_heads
@@ -84,9 +85,9 @@ class FusedDecoderStack:
         kv_caches = [attention.kv_cache for attention in self._attentions]
         cache = kv_caches[0]
         if (not isinstance(backend, TorchAttentionBackend)
-                or hidden_states.dtype != torch.float32 or not hidden_states.is_contiguous()
+                or hidden_states.dtype != self._dtype or not hidden_states.is_contiguous()
                 or cache is None
-                or not backend.kernel_fits(torch.float32, self._head_size, cache)
+                or not backend.kernel_fits(hidden_states.dtype, self._head_size, cache)
                 or hidden_states.shape[0] != metadata.num_actual_tokens
                 or metadata.block_table.dtype != torch.int32
                 or metadata.slot_mapping.dtype != torch.int64):
@@ -105,7 +106,7 @@ class FusedDecoderStack:
                 KERNEL_CALLS[f"int{bits}"] += 1
 
 
-def _suits(layer: nn.Module) -> bool:
+def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
     from engine.models.llama import DecoderLayer  # llama imports this module
 
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
@@ -113,7 +114,7 @@ def _suits(layer: nn.Module) -> bool:
     attn = layer.self_attn
     if attn.q_norm is not None or attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
         return False
-    return all(param.dtype == torch.float32 and param.device.type == "cpu"
+    return all(param.dtype == dtype and param.device.type == "cpu"
                for param in layer.parameters())
 
 

@@ -21,12 +21,15 @@
 
 namespace {
 
-// Linear._matmul: the quantized kernel for batches it serves, else the float weight.
+// Linear._matmul: the quantized kernel for batches it serves (float32 in and out, so
+// bfloat16/float16 activations are widened first and the result rounded back), else
+// the dense weight.
 at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
   if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
-    const at::Tensor x32 = x.is_contiguous() ? x : x.contiguous();
+    const at::Tensor x32 = x.to(at::kFloat).contiguous();
     at::Tensor out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
                                        : int8_linear(x32, w.data, w.scales);
+    out = out.to(x.scalar_type());
     return w.bias.defined() ? at::add(out, w.bias) : out;
   }
   return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
@@ -41,8 +44,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor seq_lens) const {
   const std::vector<LayerWeights>& layers = layers_;
   const DecoderShape& shape = shape_;
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
-              "decoder_stack: hidden must be contiguous float32 [T, hidden_size]");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "decoder_stack: hidden must be contiguous [T, hidden_size]");
   TORCH_CHECK(kv_caches.size() == layers.size(), "decoder_stack: one KV cache per layer");
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = shape.num_heads * shape.head_size;
@@ -64,11 +67,12 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
                        .view({tokens, shape.num_kv_heads, shape.head_size});
     rotary_neox_(q, k, cos, sin);
     write_kv_cache(k, v, kv_caches[i], slot_mapping);
-    const at::Tensor q_rows = q.is_contiguous() ? q : q.contiguous();
+    // The kernel reads float32 queries and writes float32 rows.
+    const at::Tensor q_rows = q.to(at::kFloat).contiguous();
     at::Tensor attn = at::empty_like(q_rows);
     paged_attention(attn, q_rows, kv_caches[i], block_table, row_tables,
                     seq_lens, shape.attention_scale);
-    h = linear(layer.o, attn.view({tokens, q_size}));
+    h = linear(layer.o, attn.to(hidden.scalar_type()).view({tokens, q_size}));
     add_rms_norm_(h, residual, layer.post_attention_norm, shape.rms_norm_eps);
     const at::Tensor gate_up = linear(layer.gate_up, h);
     at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());

@@ -52,7 +52,8 @@ class DecoderStack {
   DecoderStack(std::vector<LayerWeights> layers, DecoderShape shape)
       : layers_(std::move(layers)), shape_(shape) {}
 
-  // hidden [T, hidden_size] float32 contiguous (the embeddings; may be overwritten) ->
+  // hidden [T, hidden_size] contiguous, in the weights' dtype (the embeddings; may be
+  // overwritten) ->
   // (the last layer's MLP output, the residual stream), as the Python layers return
   // them. cos/sin [T, rotary_dim] float32; kv_caches: each layer's paged cache;
   // slot_mapping int64 [T]; block_table, row_tables, seq_lens: the in-place attention
