@@ -8,11 +8,14 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
+  // The long calls release the GIL: with --async-scheduling the scheduler thread runs
+  // its Python while the worker thread is in them.
+  m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),
         "Attention of query rows over a head-major paged KV cache, read in place (CPU).");
-  m.def("int4_linear", &int4_linear,
+  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
-  m.def("int8_linear", &int8_linear, "x @ W.T with W in int8 groups of 32 (float16 scales).");
+  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),
+        "x @ W.T with W in int8 groups of 32 (float16 scales).");
   m.def("rms_norm", &rms_norm, "out = weight * x / sqrt(mean(x^2) + eps), row by row.");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place.");
   m.def("rotary_neox_", &rotary_neox_, "RoPE (neox halves) on q and k, in place.");
@@ -46,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("attention_scale", &DecoderShape::attention_scale);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<LayerWeights>, DecoderShape>())
-      .def("forward", &DecoderStack::forward,
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
            "A step's decoder layers: (hidden, cos, sin, kv_caches, slot_mapping, block_table, "
            "row_tables, seq_lens) -> (last MLP output, residual stream).");
 }
