@@ -47,6 +47,8 @@ def generate(model_dir, monkeypatch, fused: bool, **engine_kwargs):
     ("qwen2", {"quantization": "int8"}),  # qkv bias
     ("llama", {"dtype": "bfloat16", "quantization": "int4"}),  # widened around the kernels
     ("qwen2", {"dtype": "bfloat16"}),
+    ("qwen3", {}),  # per-head q/k RMSNorm
+    ("qwen3", {"dtype": "bfloat16", "quantization": "int8"}),
 ])
 def test_fused_stack_gives_the_modules_tokens_and_logprobs(tmp_path, monkeypatch, arch,
                                                            engine_kwargs):
@@ -65,6 +67,6 @@ def test_fused_stack_gives_the_modules_tokens_and_logprobs(tmp_path, monkeypatch
 
 
 def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
-    model_dir = build_tiny_checkpoint(tmp_path, "qwen3", max_position_embeddings=512)
-    _, _, steps = generate(model_dir, monkeypatch, True)  # per-head q/k norms
+    model_dir = build_tiny_checkpoint(tmp_path, "qwen3_moe", max_position_embeddings=512)
+    _, _, steps = generate(model_dir, monkeypatch, True)  # experts, not a GatedMLP
     assert steps["fused"] == 0 and steps["modules"] > 0

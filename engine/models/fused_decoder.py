@@ -6,8 +6,8 @@ backend's checks) as in its int4 matmuls. The stack runs the same kernels in the
 order on the same tensors from C++, so its output is bitwise the modules' (tested);
 the modules stay the reference and run every step the stack declines:
 
-- built only for models whose layers are all `DecoderLayer`s with a `GatedMLP`, no
-  per-head q/k norm (Qwen3), CPU weights of one dtype (float32, bfloat16 or float16),
+- built only for models whose layers are all `DecoderLayer`s with a `GatedMLP` (Llama,
+  Qwen2, Qwen3; not MoE), CPU weights of one dtype (float32, bfloat16 or float16),
   one rank (no tensor parallelism), with the C++ kernels built;
 - taken only for steps whose every token is a row of the in-place attention kernel
   (decodes and short prompt chunks, no SDPA prefill), with a cache the kernel reads.
@@ -69,6 +69,8 @@ class FusedDecoderStack:
             w = ops.LayerWeights()
             w.input_norm = layer.input_layernorm.weight.data
             w.post_attention_norm = layer.post_attention_layernorm.weight.data
+            if attn.q_norm is not None:
+                w.q_norm, w.k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             w.qkv, w.o, w.gate_up, w.down = (_linear_weights(ops, lin) for lin in linears)
             weights.append(w)
@@ -112,7 +114,11 @@ def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
     if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
         return False
     attn = layer.self_attn
-    if attn.q_norm is not None or attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
+    if attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
+        return False
+    eps = layer.input_layernorm.eps  # the stack uses one eps for every norm
+    if (layer.post_attention_layernorm.eps != eps
+            or (attn.q_norm is not None and not attn.q_norm.eps == attn.k_norm.eps == eps)):
         return False
     return all(param.dtype == dtype and param.device.type == "cpu"
                for param in layer.parameters())

@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("input_norm", &LayerWeights::input_norm)
       .def_readwrite("post_attention_norm", &LayerWeights::post_attention_norm)
+      .def_readwrite("q_norm", &LayerWeights::q_norm)
+      .def_readwrite("k_norm", &LayerWeights::k_norm)
       .def_readwrite("qkv", &LayerWeights::qkv)
       .def_readwrite("o", &LayerWeights::o)
       .def_readwrite("gate_up", &LayerWeights::gate_up)

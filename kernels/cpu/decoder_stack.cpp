@@ -7,6 +7,7 @@
 //   h, residual = rms_norm(h) , h              first layer (the stream is the input)
 //   h, residual = rms_norm(h + residual), ...  later layers (add_rms_norm_, in place)
 //   qkv = h @ Wqkv.T          [T, (H + 2 Hkv) D]; q, k, v are column slices of it
+//   q, k = head_rms_norm(q), head_rms_norm(k)    Qwen3 only (new tensors)
 //   rotary_neox_(q, k)        in place, in qkv
 //   write_kv_cache(k, v)      into this layer's paged cache at slot_mapping
 //   a = paged_attention(q)    [T, H, D] over each token's cached context
@@ -18,6 +19,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/rsqrt.h>
 
 namespace {
 
@@ -34,6 +36,14 @@ at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
   }
   return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
                                                  : c10::optional<at::Tensor>());
+}
+
+// RMSNorm over each head's D values, in the torch ops of RMSNorm.forward_torch (which
+// the modules run for these 3-D inputs): the same results to the bit.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor normed = x32.mul(at::rsqrt(x32.pow(2).mean({-1}, true).add(eps)));
+  return weight.mul(normed.to(x.scalar_type()));
 }
 
 }  // namespace
@@ -65,6 +75,10 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, shape.num_kv_heads, shape.head_size});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
                        .view({tokens, shape.num_kv_heads, shape.head_size});
+    if (layer.q_norm.defined()) {
+      q = head_rms_norm(q, layer.q_norm, shape.rms_norm_eps);
+      k = head_rms_norm(k, layer.k_norm, shape.rms_norm_eps);
+    }
     rotary_neox_(q, k, cos, sin);
     write_kv_cache(k, v, kv_caches[i], slot_mapping);
     // The kernel reads float32 queries and writes float32 rows.

@@ -35,9 +35,10 @@ struct LinearWeights {
   int64_t quant_max_rows = 0;
 };
 
-// One DecoderLayer: the two RMSNorm weights and the four linears.
+// One DecoderLayer: the two RMSNorm weights, the per-head q/k RMSNorm weights (Qwen3;
+// undefined for models without them) and the four linears.
 struct LayerWeights {
-  at::Tensor input_norm, post_attention_norm;
+  at::Tensor input_norm, post_attention_norm, q_norm, k_norm;
   LinearWeights qkv, o, gate_up, down;
 };
 
