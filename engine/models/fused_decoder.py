@@ -51,12 +51,14 @@ class FusedDecoderStack:
     def build(cls, layers: nn.ModuleList) -> FusedDecoderStack | None:
         """The stack over `layers` (their loaded, quantized weights, shared not copied),
         or None where the model or the machine does not suit it."""
-        ops = cpu_kernels()
-        if ops is None or not enabled() or get_tp_group().size != 1 or len(layers) == 0:
+        if not enabled() or get_tp_group().size != 1 or len(layers) == 0:
             return None
         first = layers[0].self_attn
         dtype = layers[0].input_layernorm.weight.dtype
         if dtype not in KERNEL_DTYPES or not all(_suits(layer, dtype) for layer in layers):
+            return None
+        ops = cpu_kernels()  # after the checks: a GPU model never builds the CPU kernels
+        if ops is None:
             return None
         shape = ops.DecoderShape()
         shape.num_heads, shape.num_kv_heads = first.num_heads, first.num_kv_heads
