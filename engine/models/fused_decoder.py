@@ -99,10 +99,11 @@ class FusedDecoderStack:
         rows = backend.kernel_rows(metadata)
         if rows.token_idx is not None or len(rows.sdpa_reqs):
             return None  # some tokens are not kernel rows (an SDPA prefill)
-        self._count_kernel_calls(hidden_states.shape[0])
+        num_tokens = hidden_states.shape[0]
+        self._count_kernel_calls(num_tokens)
         return self._stack.forward(hidden_states, cos, sin, kv_caches,
-                                   metadata.slot_mapping.contiguous(), metadata.block_table,
-                                   rows.row_tables, rows.seq_lens)
+                                   metadata.slot_mapping[:num_tokens].contiguous(),
+                                   metadata.block_table, rows.row_tables, rows.seq_lens)
 
     def _count_kernel_calls(self, num_rows: int) -> None:
         for bits, max_rows in self._quantized:
