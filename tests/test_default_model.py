@@ -12,6 +12,7 @@ import pytest
 
 import kernels.cpu_kernels
 from engine import LLM, SamplingParams
+from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
 from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
 
@@ -38,13 +39,15 @@ def llm() -> LLM:
 def test_default_model_matches_transformers(llm: LLM):
     prompts = [llm.apply_chat_template([{"role": "user", "content": text}])
                for text in CHAT_PROMPTS]
-    before = dict(KERNEL_CALLS)
+    before, fused_before = dict(KERNEL_CALLS), STEPS_RUN["fused"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
                            use_tqdm=False)
     if kernels.cpu_kernels.toolchain_available():
-        # 8 rows per decode step: every step ran the 120 int4 linears and the int8 lm_head.
+        # 8 rows per decode step: every step ran the 120 int4 linears and the int8 lm_head,
+        # the decode steps as the fused decoder stack (engine.models.fused_decoder).
         assert KERNEL_CALLS["int4"] - before.get("int4", 0) >= 120 * (MAX_NEW_TOKENS - 1)
         assert KERNEL_CALLS["int8"] - before.get("int8", 0) >= MAX_NEW_TOKENS - 1
+        assert STEPS_RUN["fused"] - fused_before >= MAX_NEW_TOKENS // 2
     ours = [o.outputs[0].token_ids for o in outputs]
     reference = hf_greedy_reference(llm.model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=False)
     num_flips = assert_greedy_matches(ours, reference)
