@@ -8,7 +8,7 @@
 //   h, residual = rms_norm(h + residual), ...  later layers (add_rms_norm_, in place)
 //   qkv = h @ Wqkv.T          [T, (H + 2 Hkv) D]; q, k, v are column slices of it
 //   q, k = head_rms_norm(q), head_rms_norm(k)    Qwen3 only (new tensors)
-//   rotary_neox_(q, k)        in place, in qkv
+//   rotary_neox_(q, k)        in place (in qkv, or in the normed copies)
 //   write_kv_cache(k, v)      into this layer's paged cache at slot_mapping
 //   a = paged_attention(q)    [T, H, D] over each token's cached context
 //   h = a @ Wo.T ; h, residual = rms_norm(h + residual), ...
