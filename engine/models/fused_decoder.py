@@ -42,7 +42,8 @@ class FusedDecoderStack:
 
     def __init__(self, stack, layers: nn.ModuleList, quantized: list[tuple[int, int]]):
         self._stack = stack
-        self._attentions = [layer.self_attn.attn for layer in layers]
+        # Bound once by the model runner before the first step that builds the stack.
+        self._kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
         self._head_size = layers[0].self_attn.head_size
         self._dtype = layers[0].input_layernorm.weight.dtype
         self._quantized = quantized  # (bits, max_rows) of every quantized linear
@@ -86,12 +87,10 @@ class FusedDecoderStack:
         or None when this step is not one the stack takes (the caller runs the modules)."""
         context = get_forward_context()
         backend, metadata = context.backend, context.attn_metadata
-        kv_caches = [attention.kv_cache for attention in self._attentions]
-        cache = kv_caches[0]
         if (not isinstance(backend, TorchAttentionBackend)
                 or hidden_states.dtype != self._dtype or not hidden_states.is_contiguous()
-                or cache is None
-                or not backend.kernel_fits(hidden_states.dtype, self._head_size, cache)
+                or not backend.kernel_fits(hidden_states.dtype, self._head_size,
+                                           self._kv_caches[0])
                 or hidden_states.shape[0] != metadata.num_actual_tokens
                 or metadata.block_table.dtype != torch.int32
                 or metadata.slot_mapping.dtype != torch.int64):
@@ -101,7 +100,7 @@ class FusedDecoderStack:
             return None  # some tokens are not kernel rows (an SDPA prefill)
         num_tokens = hidden_states.shape[0]
         self._count_kernel_calls(num_tokens)
-        return self._stack.forward(hidden_states, cos, sin, kv_caches,
+        return self._stack.forward(hidden_states, cos, sin, self._kv_caches,
                                    metadata.slot_mapping[:num_tokens].contiguous(),
                                    metadata.block_table, rows.row_tables, rows.seq_lens)
 

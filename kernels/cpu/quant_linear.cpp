@@ -97,6 +97,8 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   qa.values.assign(rows * qa.stride, 0);
   qa.scales.resize(rows * groups);
   qa.sums.resize(rows * groups);
+  qa.scales_t.resize(transposed ? rows * groups : 0);
+  qa.sums_t.resize(transposed ? rows * groups : 0);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + m * cols + g * kGroup;
@@ -116,16 +118,11 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
       }
       qa.scales[m * groups + g] = scale;
       qa.sums[m * groups + g] = scale * static_cast<float>(sum);
-    }
-  if (transposed) {
-    qa.scales_t.resize(rows * groups);
-    qa.sums_t.resize(rows * groups);
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t g = 0; g < groups; ++g) {
+      if (transposed) {
         qa.scales_t[g * rows + m] = qa.scales[m * groups + g];
         qa.sums_t[g * rows + m] = qa.sums[m * groups + g];
       }
-  }
+    }
   return qa;
 }
 
@@ -350,13 +347,13 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out
               "scales must be a contiguous float16 [N, K / 32] tensor");
 }
 
-// int4 batches of up to kPairsMaxRows rows take dot_rows_int4 (AVX2); larger ones and int8
+// int4 batches of up to kPairsMaxRows rows take dot_rows_int4 (AVX2). Larger ones and int8
 // take dot_8rows for each full block of 8 rows (AVX2; linear_chain, int4, ABBA x3 on a
 // noisy VM: 8 rows 36.0 vs 39.5 ms, 32 rows 147 vs 162 ms against dot_rows alone) and the
-// per-group loop (dot_rows) for the rest, which decodes each weight group once for kRowBlock rows:
-// dot_rows_int4 keeps 4 pairs' sums per row in registers, and with more than 2 rows
-// they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs 16.0 ms; 2 rows
-// 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
+// per-group loop (dot_rows, each weight group decoded once for kRowBlock rows) for the rest.
+// Why dot_rows_int4 stops at one row: it keeps 4 pairs' sums per row in registers, and
+// with more than 2 rows they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs
+// 16.0 ms; 2 rows 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
 constexpr int64_t kPairsMaxRows = 1;
 constexpr int64_t kTileOut = 16;  // output rows per pass over one 8-row block (see below)
 
