@@ -4,6 +4,9 @@
     SyncMPClient       sync; the core runs in its own process (ZMQ over ipc:// sockets)
     AsyncMPClient      asyncio; the core runs in its own process (the server's default)
     AsyncThreadClient  asyncio; the core's busy loop runs in a background thread (tests)
+    AsyncSharedCoreClient  asyncio; frontend k of N sharing one core process that the
+                       launcher started (`serve --api-server-count N`; SharedCoreProcess
+                       is the launcher's handle on that core)
 
 Every client delivers the core's `EngineCoreOutputs` in step order. The process
 clients raise `EngineStartupError` (with the core's own message) when the core cannot
@@ -37,8 +40,15 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, Executor, KVCacheInfo
-from engine.core_proc import EngineCoreProc, ExecutorSpec, build_engine_core, run_engine_core
+from engine.core_proc import (
+    EngineCoreProc,
+    ExecutorSpec,
+    build_engine_core,
+    run_engine_core,
+    run_shared_engine_core,
+)
 from engine.ipc import (
+    LAUNCHER_IDENTITY,
     AbortRequests,
     AddRequest,
     CoreMessage,
@@ -48,6 +58,8 @@ from engine.ipc import (
     Ping,
     Pong,
     Ready,
+    SharedCoreAddresses,
+    SharedCoreLink,
     Shutdown,
     StartupError,
     UtilityCall,
@@ -55,6 +67,7 @@ from engine.ipc import (
     XrayCall,
     XrayResult,
     frontend_codec,
+    frontend_identity,
 )
 from engine.outputs import EngineCoreOutputs
 from engine.request import EngineCoreRequest
@@ -128,6 +141,30 @@ class InprocClient(EngineCoreClient):
         self.core.shutdown()
 
 
+def _spawn_core_process(target, args: tuple) -> multiprocessing.process.BaseProcess:
+    """Start the engine-core process (start method: spawn) running `target(*args)`."""
+    spawn = multiprocessing.get_context("spawn")
+    # The child reads OpenMP's settings from the environment when torch loads.
+    # PASSIVE: a compute thread that waits at a barrier sleeps instead of spinning.
+    # With another busy process on the machine (a client, a sidecar, a test), a
+    # spinning waiter takes the CPU its partner needs to finish the region: one
+    # request measured >350 s instead of 8.6 s with one hog on 2 cores (59 ms vs
+    # 55-57 ms per token on an idle machine). A value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    process = spawn.Process(target=target, args=args, name="EngineCore")
+    process.start()
+    return process
+
+
+def _pin_frontend(config: EngineConfig) -> None:
+    if config.device_config.cpu_layout == "split":
+        # The core inherited every CPU and takes its share itself; the frontend
+        # keeps the first one (engine.cpu_info.split_cpus).
+        from engine import cpu_info
+
+        cpu_info.pin_this_process(cpu_info.split_cpus(cpu_info.cpu_budget().affinity)[0])
+
+
 class _CoreProcess:
     """Spawns the core process and owns the frontend's two sockets to it.
 
@@ -149,26 +186,10 @@ class _CoreProcess:
         self.input_socket.bind(input_address)
         self.output_socket = context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
-        spawn = multiprocessing.get_context("spawn")
-        # The child reads OpenMP's settings from the environment when torch loads.
-        # PASSIVE: a compute thread that waits at a barrier sleeps instead of spinning.
-        # With another busy process on the machine (a client, a sidecar, a test), a
-        # spinning waiter takes the CPU its partner needs to finish the region: one
-        # request measured >350 s instead of 8.6 s with one hog on 2 cores (59 ms vs
-        # 55-57 ms per token on an idle machine). A value the user set is kept.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.process = spawn.Process(
-            target=run_engine_core,
-            args=(config, executor_spec, input_address, output_address, os.getpid(), log_level),
-            name="EngineCore",
-        )
-        self.process.start()
-        if config.device_config.cpu_layout == "split":
-            # The child inherited every CPU and takes its share itself; the frontend
-            # keeps the first one (engine.cpu_info.split_cpus).
-            from engine import cpu_info
-
-            cpu_info.pin_this_process(cpu_info.split_cpus(cpu_info.cpu_budget().affinity)[0])
+        self.process = _spawn_core_process(
+            run_engine_core,
+            (config, executor_spec, input_address, output_address, os.getpid(), log_level))
+        _pin_frontend(config)
         self._closed = False
 
     def check_alive(self) -> None:
@@ -543,6 +564,151 @@ class AsyncThreadClient(AsyncEngineCoreClient):
         if self._thread.is_alive():
             self._proc.input_queue.put(Shutdown())
             self._thread.join(timeout=10)
+
+
+class SharedCoreProcess:
+    """The launcher's handle on an engine core shared by `num_frontends` frontends.
+
+    Spawns `run_shared_engine_core` with its sockets in a fresh temporary directory; the
+    frontends join it with `link(k)` (AsyncSharedCoreClient). Only `close()` (the
+    launcher's Shutdown, over its own DEALER) stops the core; it exits by itself too
+    when the launcher process is gone.
+    """
+
+    def __init__(self, config: EngineConfig, executor_spec: ExecutorSpec | None,
+                 num_frontends: int, log_level: str):
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.addresses = SharedCoreAddresses.in_dir(self.ipc_dir, num_frontends)
+        self.process = _spawn_core_process(
+            run_shared_engine_core,
+            (config, executor_spec, self.addresses, os.getpid(), log_level))
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    def link(self, client_index: int) -> SharedCoreLink:
+        return SharedCoreLink(self.addresses, client_index, self.pid)
+
+    def close(self) -> None:
+        """Send Shutdown, wait for the core (terminate/kill if needed), clean up."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_alive():
+            context = zmq.Context()
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.ROUTING_ID, LAUNCHER_IDENTITY)
+            socket.connect(self.addresses.input_address)
+            with contextlib.suppress(zmq.ZMQError):
+                socket.send(frontend_codec().encode(Shutdown()), flags=zmq.NOBLOCK)
+            self.process.join(timeout=10)
+            socket.close(linger=0)
+            context.term()
+        if self.process.is_alive():
+            logger.warning("engine core did not stop; terminating it")
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+        return state in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+class AsyncSharedCoreClient(AsyncEngineCoreClient):
+    """Frontend k of several sharing one engine core (started by the launcher).
+
+    A DEALER (routing id `frontend_identity(k)`) to the core's ROUTER, a PULL bound at
+    the core's output address for k: the core sends here only this frontend's outputs
+    and the answers to its own calls (engine/core_proc.SharedEngineCoreProc). The core
+    is not this process's child: `check_alive` looks at its pid. `shutdown()` only
+    leaves (the launcher stops the core once every frontend has stopped).
+    """
+
+    def __init__(self, link: SharedCoreLink):
+        super().__init__()
+        self.link = link
+        self._codec = frontend_codec()
+        self._context = zmq.asyncio.Context()
+        self.input_socket = self._context.socket(zmq.DEALER)
+        self.input_socket.setsockopt(zmq.ROUTING_ID, frontend_identity(link.client_index))
+        self.input_socket.connect(link.addresses.input_address)
+        self.output_socket = self._context.socket(zmq.PULL)
+        self.output_socket.bind(link.addresses.output_addresses[link.client_index])
+        self._closed = False
+
+    @classmethod
+    async def start(cls, link: SharedCoreLink,
+                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> AsyncSharedCoreClient:
+        """Join the core and wait for its Ready (or raise EngineStartupError)."""
+        client = cls(link)
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while not await client.output_socket.poll(_POLL_MS):
+                if _process_gone(link.core_pid):
+                    raise EngineStartupError("the engine core process exited during start-up")
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(
+                        f"the engine core did not start within {startup_timeout_s:.0f} s")
+            message = client._codec.decode(await client.output_socket.recv())
+            client.kv_cache_info = _CoreProcess.handle_startup_message(message)
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
+
+    @property
+    def pid(self) -> int:
+        return self.link.core_pid
+
+    async def _send(self, message: FrontendMessage) -> None:
+        """As AsyncMPClient._send: never blocked forever by a dead core."""
+        data = self._codec.encode(message)
+        while True:
+            try:
+                await self.input_socket.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await self.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT)
+                self.check_alive()
+
+    async def _next_message(self) -> CoreMessage:
+        while not await self.output_socket.poll(_DEATH_POLL_MS):
+            self.check_alive()
+        return self._codec.decode(await self.output_socket.recv())
+
+    def check_alive(self) -> None:
+        if _process_gone(self.link.core_pid):
+            raise EngineDeadError(
+                f"the engine core process (pid {self.link.core_pid}) exited unexpectedly")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.input_socket.close(linger=1000)  # the last aborts still reach the core
+        self.output_socket.close(linger=0)
+        self._context.term()
 
 
 async def start_async_client(

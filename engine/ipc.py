@@ -12,9 +12,20 @@ direction is decoded strictly, so a malformed message is an error, not a guess.
 Ping/Pong is the liveness probe: Ping travels the same way requests do (socket, input
 thread, input queue) and the core's busy loop answers it between two steps, so a Pong
 proves that the loop itself is making progress, not just that the process exists.
+
+One core, N frontends (`serve --api-server-count N`, server/launcher.py): the same
+messages travel over other sockets, described by `SharedCoreAddresses`:
+
+    frontend k  DEALER (routing id frontend_identity(k)) ─┐
+    launcher    DEALER (routing id LAUNCHER_IDENTITY)   ──┼─▶ ROUTER input.sock   core
+                                                          │   (the routing id says who sent it)
+    frontend k  PULL output-k.sock ◀──────────────────────┴── PUSH, one per frontend
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import msgspec
 
@@ -102,6 +113,50 @@ CoreMessage = Ready | StartupError | Outputs | UtilityResult | Pong | XrayResult
 
 # EngineCore methods a frontend may call through UtilityCall (no arguments).
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})
+
+
+@dataclass(frozen=True)
+class SharedCoreAddresses:
+    """The sockets of one engine core shared by N frontends (see the module doc).
+
+    `input_address`: the core binds a ROUTER there; every frontend, and the launcher
+    (which only ever sends Shutdown), connects a DEALER whose routing id says who it is.
+    `output_addresses[k]`: frontend k binds a PULL there; the core connects a PUSH to each.
+    """
+
+    input_address: str
+    output_addresses: tuple[str, ...]
+
+    @classmethod
+    def in_dir(cls, ipc_dir: str, num_frontends: int) -> SharedCoreAddresses:
+        return cls(f"ipc://{os.path.join(ipc_dir, 'input.sock')}",
+                   tuple(f"ipc://{os.path.join(ipc_dir, f'output-{k}.sock')}"
+                         for k in range(num_frontends)))
+
+
+@dataclass(frozen=True)
+class SharedCoreLink:
+    """What frontend `client_index` needs to join a core the launcher started."""
+
+    addresses: SharedCoreAddresses
+    client_index: int
+    core_pid: int
+
+
+LAUNCHER_IDENTITY = b"launcher"
+
+
+def frontend_identity(client_index: int) -> bytes:
+    """The ZMQ routing id of frontend `client_index` on the shared core's input socket."""
+    return b"frontend-%d" % client_index
+
+
+def frontend_index(identity: bytes) -> int | None:
+    """The inverse of `frontend_identity`; None for the launcher (or anyone else)."""
+    prefix = b"frontend-"
+    if identity.startswith(prefix) and identity[len(prefix):].isdigit():
+        return int(identity[len(prefix):])
+    return None
 
 
 class Codec:

@@ -12,6 +12,12 @@ requests in flight get up to `shutdown_timeout_s` to finish, then the rest are a
 is stopped and joined, and `serve()` returns (the CLI exits 0). A second signal skips
 the wait. uvicorn's own signal handling is replaced: it would re-raise the signal after
 its shutdown and kill the process with it.
+
+One of several API server processes (`serve --api-server-count N`, server/launcher.py):
+the same class, given the launcher's listening socket and a `SharedCoreLink` instead of
+binding one and starting a core; it then leaves signals to the launcher (which asks it
+to stop with `request_stop`), records metrics in multiprocess mode, and says which API
+server answered in an `x-pagedserve-api-server` header.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -33,8 +40,13 @@ import uvicorn
 
 from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.config import EngineConfig
-from engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
+from engine.core_client import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    AsyncSharedCoreClient,
+    start_async_client,
+)
 from engine.core_proc import ExecutorSpec
+from engine.ipc import SharedCoreLink
 from server.app import build_app
 from server.lifecycle import ServerLimits
 from server.metrics import ServerMetrics
@@ -154,6 +166,29 @@ async def _warm_up() -> None:
         gc.freeze()
 
 
+API_SERVER_HEADER = b"x-pagedserve-api-server"
+
+
+class APIServerHeader:
+    """ASGI middleware: every response says which API server process answered it."""
+
+    def __init__(self, app, index: int):
+        self.app = app
+        self.value = str(index).encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (API_SERVER_HEADER, self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
 class APIServer:
     def __init__(
         self,
@@ -162,12 +197,21 @@ class APIServer:
         model_dir: str | Path,
         served_model_names: list[str],
         executor_spec: ExecutorSpec | None = None,
+        *,
+        shared_core: SharedCoreLink | None = None,
+        sock: socket.socket | None = None,
     ):
+        """`shared_core` and `sock`: one of several API server processes (module doc)."""
         self.options = options
         self.engine_config = engine_config
         self.model_dir = str(model_dir)
         self.served_model_names = served_model_names
         self.executor_spec = executor_spec
+        self.shared_core = shared_core
+        self._given_socket = sock
+        # SIGTERM/SIGINT handlers in serve() (main thread only); the launcher's API
+        # servers leave signals to the launcher.
+        self.handle_signals = shared_core is None
         self.state: ServerState | None = None
         self.socket: socket.socket | None = None
         self._uvicorn: uvicorn.Server | None = None
@@ -187,14 +231,18 @@ class APIServer:
     async def start(self) -> None:
         """Bind, load, start the engine. Raises OSError / EngineStartupError."""
         options = self.options
-        self.socket = bind_socket(options.host, options.port)
+        self.socket = self._given_socket or bind_socket(options.host, options.port)
         try:
             # The tokenizer loads in a thread while the engine core process starts.
             info_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.model_dir))
             try:
-                client = await start_async_client(
-                    self.engine_config, self.executor_spec, options.engine_mode,
-                    options.startup_timeout_s, options.log_level)
+                if self.shared_core is not None:
+                    client = await AsyncSharedCoreClient.start(self.shared_core,
+                                                               options.startup_timeout_s)
+                else:
+                    client = await start_async_client(
+                        self.engine_config, self.executor_spec, options.engine_mode,
+                        options.startup_timeout_s, options.log_level)
             except BaseException:
                 info_load.cancel()
                 raise
@@ -203,7 +251,8 @@ class APIServer:
             except BaseException:
                 client.shutdown()
                 raise
-            metrics = ServerMetrics(self.served_model_names[0])
+            metrics = ServerMetrics(self.served_model_names[0],
+                                    multiprocess=self.shared_core is not None)
             engine = AsyncEngine.from_client(client, info.tokenizer,
                                              eos_token_id=info.eos_token_id, observer=metrics)
         except BaseException:
@@ -221,6 +270,8 @@ class APIServer:
             reasoning_parser=options.reasoning_parser,
         )
         app = build_app(self.state, options.allowed_origins)
+        if self.shared_core is not None:
+            app.add_middleware(APIServerHeader, index=self.shared_core.client_index)
         await _warm_up()
         host, port = self.socket.getsockname()[:2]
         config = uvicorn.Config(
@@ -233,6 +284,11 @@ class APIServer:
         )
         self._uvicorn = _Uvicorn(config)
         kv = engine.kv_cache_info
+        if self.shared_core is not None:  # the launcher says "serving ... at <url>;"
+            logger.info("API server %d (pid %d) ready on %s; max_model_len=%d, KV cache %d "
+                        "blocks x %d tokens", self.shared_core.client_index, os.getpid(),
+                        self.url, kv.max_model_len, kv.num_blocks, kv.block_size)
+            return
         logger.info(
             "serving %s (%s) at %s; max_model_len=%d, KV cache %d blocks x %d tokens",
             ", ".join(self.served_model_names), self.model_dir, self.url, kv.max_model_len,
@@ -248,7 +304,7 @@ class APIServer:
         if self._stop_requested:
             self._stop.set()
         signals = []
-        if threading.current_thread() is threading.main_thread():
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
                 signals.append(sig)
@@ -277,15 +333,18 @@ class APIServer:
         await self.serve()
 
     def _on_signal(self, sig: int) -> None:
-        name = signal.Signals(sig).name
+        self._on_stop_request(f"received {signal.Signals(sig).name}")
+
+    def _on_stop_request(self, what: str) -> None:
+        """The first request drains, a second one aborts what is left at once."""
         if self._stop_requested:
-            logger.warning("received %s again: aborting the remaining requests now", name)
+            logger.warning("%s again: aborting the remaining requests now", what)
             self._force = True
             self.state.lifecycle.draining = True
             for active in list(self.state.lifecycle.active):
                 active.abort("shutdown")
             return
-        logger.info("received %s: shutting down (drain up to %.1f s)", name,
+        logger.info("%s: shutting down (drain up to %.1f s)", what,
                     self.options.shutdown_timeout_s)
         self._begin_stop()
 
@@ -296,14 +355,20 @@ class APIServer:
         if self._stop is not None:
             self._stop.set()
 
-    def request_stop(self) -> None:
-        """Start the graceful shutdown (as SIGTERM does); safe from any thread."""
+    def request_stop(self, reason: str | None = None) -> None:
+        """Start the graceful shutdown (as SIGTERM does); safe from any thread.
+
+        With a `reason` (logged), it acts like a signal: asked again, the requests
+        still in flight are aborted at once."""
         loop = self._loop
         if loop is None or loop.is_closed():
             self._stop_requested = True
             return
         try:
-            loop.call_soon_threadsafe(self._begin_stop)
+            if reason is None:
+                loop.call_soon_threadsafe(self._begin_stop)
+            else:
+                loop.call_soon_threadsafe(self._on_stop_request, reason)
         except RuntimeError:  # the loop just closed
             pass
 

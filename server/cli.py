@@ -141,6 +141,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--host", "Address to listen on.", default="127.0.0.1")
     flag("--port", "Port to listen on (0: any free port; the start-up log line says which).",
          type=int, default="8000")
+    flag("--api-server-count", "HTTP frontend processes (API servers) serving the one "
+         "--port, all over one engine core, for when a single frontend's tokenization, "
+         "detokenization and streaming are the limit (vLLM's flag; see "
+         "server/launcher.py).", type=_positive_int, default="1")
     flag("--api-key", "Require 'Authorization: Bearer <key>' on the inference routes "
          "(/v1/*, /tokenize, /detokenize) and on /xray; /health, /metrics and /version "
          "stay open.")
@@ -361,6 +365,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            xray=XrayOptions(enabled=args.xray, show_text=args.xray_show_text),
                            tool_call_parser=args.tool_call_parser,
                            reasoning_parser=args.reasoning_parser)
+    if args.api_server_count > 1:
+        return _run_launcher(args, options, config, model_dir, served)
     server = APIServer(options, config, model_dir, served)
     try:
         asyncio.run(server.run())
@@ -373,6 +379,21 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _run_launcher(args: argparse.Namespace, options, config: EngineConfig, model_dir: str,
+                  served: list[str]) -> int:
+    """--api-server-count N > 1: N API server processes over one engine core."""
+    from server.launcher import run_launcher
+
+    try:
+        return run_launcher(options, config, model_dir, served, args.api_server_count)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
 
 
 def run_bench(args: argparse.Namespace) -> int:

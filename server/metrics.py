@@ -35,6 +35,16 @@ Exposition: the classic text format (0.0.4) whatever the scraper asks for. Names
 their colons there; prometheus-client's OpenMetrics writer would escape them to '_',
 which would break every dashboard and alert query. Each server owns its own registry,
 so several servers can live in one process (tests).
+
+Several API server processes (`serve --api-server-count N`, `multiprocess=True`):
+prometheus-client's multiprocess mode. Every process writes its values to files in
+the launcher's PROMETHEUS_MULTIPROC_DIR, and /metrics on any of them renders the sum
+over all of them (counters, histograms), so every frontend reports the whole server.
+The engine core sends its per-step SchedulerStats to API server 0 only
+(engine/core_proc.STATS_FRONTEND), so the step metrics are counted once; their gauges
+take the most recently set value of any process ("mostrecent"). Per process: only
+`cache_config_info` (an Info, which multiprocess mode lacks; every process sets the
+same labels, so each exposes the same series).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.async_engine import EngineRequestError
 from engine.config import CacheConfig
@@ -115,14 +126,25 @@ def failure_reason(exc: BaseException) -> str | None:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, multiprocess: bool = False):
+        """`multiprocess`: one of several API server processes (see the module doc);
+        needs PROMETHEUS_MULTIPROC_DIR in the environment before prometheus_client
+        is imported."""
         self.model_name = model_name
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics renders
         labels = ["model_name"]
-        r = self.registry
+        # The registry the metrics join: with several processes their values live in
+        # the shared files, and /metrics renders those (MultiProcessCollector) instead.
+        r: CollectorRegistry | None = self.registry
+        gauge_kwargs: dict = {}
+        if multiprocess:
+            MultiProcessCollector(self.registry)
+            r = None
+            gauge_kwargs = {"multiprocess_mode": "mostrecent"}
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Gauge(PREFIX + name, doc, labels, registry=r,
+                         **gauge_kwargs).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             # prometheus-client drops a trailing "_total" from the name and adds it back
@@ -216,9 +238,9 @@ class ServerMetrics:
             "grammar_compile_seconds",
             "Time to compile one grammar in the engine (cache hits are not compiles).",
             TOKEN_LATENCY_BUCKETS_S)
-        self._cache_config = Info(
+        self._cache_config = Info(  # per process, also with several (see the module doc)
             PREFIX + "cache_config", "KV-cache configuration (value 1; the facts are labels).",
-            labels, registry=r)
+            labels, registry=self.registry)
 
     # ---------------------------------------------------------------- start-up
     def set_cache_config(self, cache_config: CacheConfig, kv_cache_info) -> None:
