@@ -12,8 +12,9 @@ this process (its engine core in a thread, which saves a process start). Every r
 that greedy outputs (httpx and the `openai` client, streamed and not) equal the
 reference's; a client leaving a stream on one API server ends only that request (the
 other's streams run to `length`) and frees every KV block; /metrics from either API
-server counts the requests of both; SIGTERM to the launcher ends every child process
-and removes the metrics directory.
+server counts the requests of both; a killed engine core is reported (503) by both;
+SIGTERM to the launcher then still ends every child process and removes the metrics
+directory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 
@@ -355,6 +357,26 @@ def test_metrics_from_either_api_server_count_both(servers):
                   - value(before[server], "pagedserve:generation_tokens_total"))
         assert tokens == 12 * len(results)
     assert value(after["0"], "pagedserve:cache_config_info", num_blocks="128") == 1
+
+
+def test_engine_death_is_reported_by_every_api_server(servers):
+    pair, _ = servers
+    core_pid = next(int(m.group(1)) for line in pair.lines
+                    if (m := re.search(r"engine core pid (\d+)", line)))
+    os.kill(core_pid, signal.SIGKILL)
+    answers: dict[str, tuple[int, int]] = {}  # API server -> (/health, completion) status
+
+    def both_report_it() -> bool:
+        with httpx.Client(timeout=30) as client:  # a new connection: either API server
+            health = client.get(pair.url + "/health")
+            completion = client.post(pair.url + "/v1/completions", json={
+                "model": "tiny", "prompt": "Hello", "max_tokens": 2})
+        answers[health.headers[HEADER]] = (health.status_code, completion.status_code)
+        return set(answers) == {"0", "1"} and all(
+            statuses == (503, 503) for statuses in answers.values())
+
+    wait_until(both_report_it, timeout_s=30, what="503 from both API servers")
+    assert any("the engine core process exited" in line for line in pair.lines)
 
 
 def test_sigterm_stops_every_process(servers):
