@@ -618,7 +618,8 @@ class AsyncEngine:
           * it sent something (a step's outputs, a Pong) within the last second; or
           * it answers a Ping within `ping_timeout_s` (it answers between two steps); or
           * it has requests and is in a step longer than that, begun or last finished
-            within `step_timeout_s`.
+            within `step_timeout_s` (with a core shared by several frontends: any
+            requests, of any frontend; the core sends every frontend every step).
         An idle core answers at once; one that has not gets another second's grace
         before it counts as stuck. Takes about `ping_timeout_s` at most otherwise.
         """
@@ -629,7 +630,7 @@ class AsyncEngine:
             return
         if await self.client.ping_async(ping_timeout_s):
             return
-        if self._requests:
+        if self._requests or self.client.shares_core:
             quiet_s = time.monotonic() - max(self.client.last_message_time, self._busy_since)
             if quiet_s <= step_timeout_s:
                 return  # busy with a long step

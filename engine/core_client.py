@@ -333,6 +333,9 @@ class AsyncEngineCoreClient(abc.ABC):
     """The asyncio face of the core. `get_output_async` has one caller at a time."""
 
     kv_cache_info: KVCacheInfo
+    # Several frontends share the core: it may be busy with requests this frontend does
+    # not know, and it sends this frontend every step (see SharedEngineCoreProc).
+    shares_core = False
 
     def __init__(self) -> None:
         self._call_ids = itertools.count()
@@ -644,6 +647,8 @@ class AsyncSharedCoreClient(AsyncEngineCoreClient):
     is not this process's child: `check_alive` looks at its pid. `shutdown()` only
     leaves (the launcher stops the core once every frontend has stopped).
     """
+
+    shares_core = True
 
     def __init__(self, link: SharedCoreLink):
         super().__init__()

@@ -240,8 +240,9 @@ class SharedEngineCoreProc(EngineCoreProc):
     Input items are `FromFrontend`; everything goes out as `ToFrontend`:
       * a step's EngineCoreOutputs are split by the owner of each request: frontend k
         gets only its own requests' outputs and first-scheduled times; the step's
-        SchedulerStats go to STATS_FRONTEND (in a message of its own if it has no
-        outputs in that step);
+        SchedulerStats go to STATS_FRONTEND only. Every frontend gets its part of every
+        step, empty or not: that is how a frontend with no request of its own knows
+        the core is busy with a long step rather than stuck (AsyncEngine.check_health);
       * Pong, UtilityResult and XrayResult go to the frontend that asked;
       * Ready, StartupError and EngineDead go to every frontend (run_shared_engine_core).
     A request id belongs to the frontend that added it until its last output (finished)
@@ -250,9 +251,11 @@ class SharedEngineCoreProc(EngineCoreProc):
     k's. Only the launcher's Shutdown stops the loop (a frontend that stops just leaves).
     """
 
-    def __init__(self, core: EngineCore, send: Callable[[ToFrontend], None]):
+    def __init__(self, core: EngineCore, send: Callable[[ToFrontend], None],
+                 num_frontends: int):
         super().__init__(core, self._route)
         self._send_to = send
+        self.num_frontends = num_frontends
         self.owners: dict[str, int] = {}  # req_id -> index of the frontend that added it
         self._asker: int | None = None  # the sender of the message being handled
 
@@ -297,28 +300,22 @@ class SharedEngineCoreProc(EngineCoreProc):
             self._send_to(ToFrontend(None, message))
 
     def _split(self, outputs: EngineCoreOutputs) -> None:
-        per_frontend: dict[int, EngineCoreOutputs] = {}
-
-        def part(k: int) -> EngineCoreOutputs:
-            if k not in per_frontend:
-                per_frontend[k] = EngineCoreOutputs(timestamp=outputs.timestamp)
-            return per_frontend[k]
-
+        parts = [EngineCoreOutputs(timestamp=outputs.timestamp)
+                 for _ in range(self.num_frontends)]
         for req_id, scheduled_time in outputs.scheduled_times.items():
             owner = self.owners.get(req_id)
             if owner is not None:
-                part(owner).scheduled_times[req_id] = scheduled_time
+                parts[owner].scheduled_times[req_id] = scheduled_time
         for output in outputs.outputs:
             owner = self.owners.get(output.req_id)
             if owner is None:
                 continue  # aborted by its frontend meanwhile: nobody wants it
-            part(owner).outputs.append(output)
+            parts[owner].outputs.append(output)
             if output.finished:
                 del self.owners[output.req_id]
-        if outputs.scheduler_stats is not None:
-            part(STATS_FRONTEND).scheduler_stats = outputs.scheduler_stats
-        for k, part_outputs in per_frontend.items():
-            self._send_to(ToFrontend(k, Outputs(part_outputs)))
+        parts[STATS_FRONTEND].scheduler_stats = outputs.scheduler_stats
+        for k, part in enumerate(parts):
+            self._send_to(ToFrontend(k, Outputs(part)))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -469,7 +466,7 @@ def run_shared_engine_core(
         os._exit(1)
 
     output_queue: queue.Queue[ToFrontend | None] = queue.Queue()
-    proc = SharedEngineCoreProc(core, output_queue.put)
+    proc = SharedEngineCoreProc(core, output_queue.put, len(output_sockets))
 
     def send_outputs() -> None:
         out_codec = core_codec()

@@ -1,7 +1,8 @@
 """`serve --api-server-count 2`: two API server processes on one port over one engine core.
 
 Unit tests drive the core's router (engine/core_proc.SharedEngineCoreProc) over a stub
-core: outputs split by request owner, stats to frontend 0 only, replies to the asker,
+core: outputs split by request owner (every frontend hears of every step), stats to
+frontend 0 only, replies to the asker,
 duplicate ids refused, aborts limited to the sender's requests, Shutdown only from the
 launcher. Flag validation runs in-process.
 
@@ -25,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import httpx
 import openai
@@ -88,7 +90,7 @@ def _add(req_id: str) -> AddRequest:
 def test_router_splits_outputs_by_owner_and_answers_the_asker():
     sent: list[ToFrontend] = []
     core = _StubCore()
-    proc = SharedEngineCoreProc(core, sent.append)  # type: ignore[arg-type]
+    proc = SharedEngineCoreProc(core, sent.append, 2)  # type: ignore[arg-type]
     proc._handle(FromFrontend(0, _add("a")))
     proc._handle(FromFrontend(1, _add("b")))
     proc._handle(FromFrontend(1, _add("a")))  # in use by frontend 0: refused, to 1 only
@@ -112,11 +114,14 @@ def test_router_splits_outputs_by_owner_and_answers_the_asker():
     assert by_frontend[1].scheduler_stats is None
     assert proc.owners == {"a": 0}  # "b" finished
 
-    # Stats with no output for frontend 0 still reach it; nothing goes to frontend 1.
+    # Stats with no output for frontend 0 still reach it; frontend 1 gets an empty part
+    # (every frontend hears of every step: a busy core is not a stuck one).
     sent.clear()
-    core.next_step = EngineCoreOutputs(scheduler_stats=stats)
+    core.next_step = EngineCoreOutputs(scheduler_stats=stats, timestamp=2.0)
     proc._step()
-    assert [(m.client_index, m.message.outputs.scheduler_stats) for m in sent] == [(0, stats)]
+    assert [(m.client_index, m.message.outputs) for m in sent] == [
+        (0, EngineCoreOutputs(scheduler_stats=stats, timestamp=2.0)),
+        (1, EngineCoreOutputs(timestamp=2.0))]
 
     # Aborts touch the sender's requests only; a Pong goes to the asker.
     sent.clear()
@@ -404,3 +409,32 @@ def test_sigterm_stops_every_process(servers):
                what="every child process gone")
     assert not any(os.path.isdir(d) for d in metrics_dirs)
     assert any("server stopped" in line and "api-server" not in line for line in pair.lines)
+
+
+def test_health_of_a_frontend_without_requests_while_the_shared_core_is_in_a_long_step():
+    """No answer to a ping, no request of its own, a step heard of 5 s ago: a frontend
+    that shares the core counts it busy (another frontend's long step); a sole one stuck."""
+    from engine.async_engine import AsyncEngine, EngineUnresponsiveError
+    from engine.core import KVCacheInfo
+
+    class Client:
+        kv_cache_info = KVCacheInfo(num_blocks=8, block_size=16, max_model_len=64,
+                                    vocab_size=32)
+
+        def __init__(self, shares_core: bool):
+            self.shares_core = shares_core
+            self.last_message_time = time.monotonic() - 5.0
+
+        def check_alive(self) -> None:
+            pass
+
+        async def ping_async(self, timeout_s: float) -> bool:
+            return False
+
+    async def health(shares_core: bool) -> None:
+        engine = AsyncEngine(Client(shares_core), tokenizer=None)  # type: ignore[arg-type]
+        await engine.check_health(ping_timeout_s=0.01, step_timeout_s=60.0)
+
+    asyncio.run(health(True))
+    with pytest.raises(EngineUnresponsiveError):
+        asyncio.run(health(False))
