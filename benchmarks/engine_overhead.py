@@ -27,12 +27,22 @@ Stages (core, per step): schedule / update_from_output (scheduler), runner
 bookkeeping (state diff + input preparation + the sampler's per-row bookkeeping),
 the sampler's arithmetic over the logits (on a GPU it runs beside the model on
 the device: reported apart), the model stub, and encode + send of the outputs.
+
+`--sampler device` leaves the sampler's arithmetic out, as on a GPU, where it runs on
+the device and the CPU never reads the logits: the stub sampler hands out the tokens
+the real one picks for greedy rows (the argmax of the stub's fixed logits, computed
+once), and everything around it (the runner's bookkeeping of the sampled tokens,
+update_from_output, ...) runs as before. On a CPU the real sampler's pass over
+[rows, 49,152] float32 logits (50 MB at 256 rows) also evicts the scheduler's state
+from the caches, so the stages after it cost more than they would beside a GPU: run
+both to see how much.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -47,8 +57,10 @@ from torch import nn
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core import EngineCore, KVCacheInfo
+from engine.core_proc import freeze_startup_heap
 from engine.outputs import ModelRunnerOutput
 from engine.request import EngineCoreRequest
+from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
 
@@ -144,28 +156,35 @@ class StageClock:
 
 
 class _TimedSampler:
-    """The runner calls `self.sampler(logits, metadata)`: time that call."""
+    """The runner calls `self.sampler(logits, metadata)`: time that call. With
+    `device_tokens` (--sampler device) the logits are not read: row i samples
+    device_tokens[i]."""
 
-    def __init__(self, sampler, clock: StageClock):
+    def __init__(self, sampler, clock: StageClock, device_tokens: torch.Tensor | None = None):
         self.sampler = sampler
         self.clock = clock
+        self.device_tokens = device_tokens
 
     def __call__(self, logits, metadata):
         started = self.clock.now()
         try:
+            if self.device_tokens is not None:
+                return SamplerOutput(sampled_token_ids=self.device_tokens[: logits.shape[0]],
+                                     logprobs=None)
             return self.sampler(logits, metadata)
         finally:
             self.clock.current["sampler_math"] += self.clock.now() - started
 
 
-def instrument(core: EngineCore, clock: StageClock) -> None:
+def instrument(core: EngineCore, clock: StageClock, sampler: str = "cpu") -> None:
     scheduler = core.scheduler
     runner = core.executor.runner
+    device_tokens = runner.model.logits.argmax(dim=-1) if sampler == "device" else None
     scheduler.schedule = clock.wrap("schedule", scheduler.schedule)
     scheduler.update_from_output = clock.wrap("update", scheduler.update_from_output)
     runner.execute_model = clock.wrap("runner_total", runner.execute_model)
     runner.model.forward = clock.wrap("model", runner.model.forward)
-    runner.sampler = _TimedSampler(runner.sampler, clock)
+    runner.sampler = _TimedSampler(runner.sampler, clock, device_tokens)
 
 
 # ---------------------------------------------------------------------- workloads
@@ -192,6 +211,7 @@ class CoreResult:
     model_ms: float
     async_scheduling: bool
     clock: str = "wall"
+    sampler: str = "cpu"
     stages_us: dict[str, float] = field(default_factory=dict)
     step_period_us: float = 0.0
     steps_per_s: float = 0.0
@@ -201,7 +221,7 @@ class CoreResult:
 def run_core(workload: Workload, num_steps: int, model_ms: float,
              record: list[bytes] | None = None, seed: int = 0,
              prompt_len: int = PROMPT_LEN, async_scheduling: bool = False,
-             clock: str = "wall") -> CoreResult:
+             clock: str = "wall", sampler: str = "cpu") -> CoreResult:
     import zmq
 
     from engine.ipc import Outputs, core_codec
@@ -257,8 +277,9 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
     codec = core_codec()
     clock_name, now = clock, CLOCKS[clock]
     clock = StageClock(now)
-    instrument(core, clock)
+    instrument(core, clock, sampler)
     warmup = min(20, num_steps // 5)
+    freeze_startup_heap()  # as the core process does once it is built
     num_tokens = 0
     started = None
     for step in range(warmup + num_steps):
@@ -281,6 +302,7 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
                 record.append(data)
         clock.end_step(keep=step >= warmup)
     elapsed = time.perf_counter() - started
+    gc.unfreeze()  # this process goes on to the next workload
     push.send(b"stop")
     receiver.join(timeout=10)
     push.close(linger=0)
@@ -301,7 +323,7 @@ def run_core(workload: Workload, num_steps: int, model_ms: float,
                                      + stages["runner_bookkeeping"] + stages["encode_send"])
     return CoreResult(
         workload=workload.name, sampling=workload.sampling, num_running=n, model_ms=model_ms,
-        async_scheduling=async_scheduling, clock=clock_name,
+        async_scheduling=async_scheduling, clock=clock_name, sampler=sampler,
         stages_us={k: round(v, 1) for k, v in stages.items()},
         step_period_us=round(elapsed / num_steps * 1e6, 1),
         steps_per_s=round(num_steps / elapsed, 1),
@@ -403,12 +425,13 @@ def run_frontend(recorded: list[bytes], num_streams: int, clock: str = "wall") -
 def table(results: list[CoreResult]) -> str:
     columns = ["schedule", "update_from_output", "runner_bookkeeping", "encode_send",
                "core_overhead_total", "sampler_math", "model_stub"]
-    header = ("| workload | sampling | async | " + " | ".join(columns)
+    header = ("| workload | sampling | sampler | async | " + " | ".join(columns)
               + " | step period | steps/s | tok/s |")
-    lines = [header, "|" + "---|" * (len(columns) + 6)]
+    lines = [header, "|" + "---|" * (len(columns) + 7)]
     for r in results:
         cells = [f"{r.stages_us[c]:,.0f}" for c in columns]
-        lines.append(f"| {r.workload} | {r.sampling} | {'on' if r.async_scheduling else 'off'} | "
+        lines.append(f"| {r.workload} | {r.sampling} | {r.sampler} | "
+                     f"{'on' if r.async_scheduling else 'off'} | "
                      + " | ".join(cells)
                      + f" | {r.step_period_us:,.0f} | {r.steps_per_s:,.0f} | {r.tokens_per_s:,.0f} |")
     return "\n".join(lines)
@@ -437,6 +460,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="time the stages by wall clock or by the thread's CPU time "
                              "(cpu: for a machine shared with other jobs)")
+    parser.add_argument("--sampler", choices=["cpu", "device"], default="cpu",
+                        help="cpu: the real sampler on the stub's logits; device: its "
+                             "arithmetic left out, as on a GPU (see the module doc)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -450,9 +476,10 @@ def main() -> None:
                 record = (recorded if args.frontend_streams and name == "decode-256"
                           and sampling == "greedy" and mode == "off" and not recorded else None)
                 result = run_core(workload, args.steps, args.model_ms, record,
-                                  async_scheduling=mode == "on", clock=args.clock)
+                                  async_scheduling=mode == "on", clock=args.clock,
+                                  sampler=args.sampler)
                 results.append(result)
-                print(f"{name} {sampling} async={mode}: {result.stages_us} "
+                print(f"{name} {sampling} sampler={args.sampler} async={mode}: {result.stages_us} "
                       f"period {result.step_period_us} µs", flush=True)
     print(f"\nµs per step (median over the timed steps, {args.clock} clock); "
           "period/steps/s/tok/s from wall time."
