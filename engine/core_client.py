@@ -223,17 +223,22 @@ class _CoreProcess:
                 zmq.Socket.send(self.input_socket, frontend_codec().encode(Shutdown()),
                                 flags=zmq.NOBLOCK)
             self.process.join(timeout=10)
-        if self.process.is_alive():
-            logger.warning("engine core did not stop; terminating it")
-            self.process.terminate()
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
+        _end_process(self.process)
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _end_process(process) -> None:
+    """A core that did not stop when asked: terminate it, then kill it."""
+    if process.is_alive():
+        logger.warning("engine core did not stop; terminating it")
+        process.terminate()
+        process.join(timeout=5)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -610,13 +615,7 @@ class SharedCoreProcess:
             self.process.join(timeout=10)
             socket.close(linger=0)
             context.term()
-        if self.process.is_alive():
-            logger.warning("engine core did not stop; terminating it")
-            self.process.terminate()
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
+        _end_process(self.process)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 

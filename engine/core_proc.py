@@ -360,6 +360,28 @@ def _prepare_core_process(config: EngineConfig, parent_pid: int, log_level: str)
     configure_compute_threads(config.device_config.cpu_threads)
 
 
+def _run_until_stopped(proc: EngineCoreProc, put_output: Callable[[Any], None],
+                       output_thread: threading.Thread,
+                       addressed: Callable[[EngineDead], Any]) -> int:
+    """Run the busy loop until Shutdown (exit code 0) or a fatal error (1: EngineDead is
+    queued first, wrapped by `addressed`); then let the output thread send what is queued
+    and shut the executor down."""
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except BaseException as exc:  # noqa: BLE001 - tell the frontends before dying
+        logger.exception("engine core died")
+        put_output(addressed(EngineDead(f"{type(exc).__name__}: {exc}")))
+        exit_code = 1
+    put_output(None)
+    output_thread.join(timeout=5)
+    try:
+        proc.core.shutdown()
+    except Exception:  # noqa: BLE001
+        logger.exception("executor shutdown failed")
+    return exit_code
+
+
 def run_engine_core(
     config: EngineConfig,
     executor_spec: ExecutorSpec | None,
@@ -419,19 +441,7 @@ def run_engine_core(
     output_queue.put(Ready(core.kv_cache_info, os.getpid()))
     logger.info("engine core ready: %s", core.kv_cache_info)
 
-    exit_code = 0
-    try:
-        proc.run_busy_loop()
-    except BaseException as exc:  # noqa: BLE001 - tell the frontend before dying
-        logger.exception("engine core died")
-        output_queue.put(EngineDead(f"{type(exc).__name__}: {exc}"))
-        exit_code = 1
-    output_queue.put(None)
-    output_thread.join(timeout=5)
-    try:
-        core.shutdown()
-    except Exception:  # noqa: BLE001
-        logger.exception("executor shutdown failed")
+    exit_code = _run_until_stopped(proc, output_queue.put, output_thread, lambda dead: dead)
     output_socket.close(linger=2000)
     context.term()  # unblocks the input thread, which closes its socket; flushes output
     os._exit(exit_code)
@@ -509,19 +519,8 @@ def run_shared_engine_core(
     logger.info("engine core ready for %d frontends: %s", len(output_sockets),
                 core.kv_cache_info)
 
-    exit_code = 0
-    try:
-        proc.run_busy_loop()
-    except BaseException as exc:  # noqa: BLE001 - tell every frontend before dying
-        logger.exception("engine core died")
-        output_queue.put(ToFrontend(None, EngineDead(f"{type(exc).__name__}: {exc}")))
-        exit_code = 1
-    output_queue.put(None)
-    output_thread.join(timeout=5)
-    try:
-        core.shutdown()
-    except Exception:  # noqa: BLE001
-        logger.exception("executor shutdown failed")
+    exit_code = _run_until_stopped(proc, output_queue.put, output_thread,
+                                   lambda dead: ToFrontend(None, dead))  # to every frontend
     # After Shutdown every frontend has left: nothing queued for them is wanted.
     close_sockets(2000 if exit_code else 0)
     context.term()
