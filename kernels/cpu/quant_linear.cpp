@@ -32,12 +32,10 @@
 // "L'Étoile ...", a near-tie that 8-bit rounding tips over.)
 //
 // Its torch reference is kernels.reference.quant_linear_ref. Each thread takes a range
-// of output rows n. By batch size (see the dispatch comment above quant_linear):
-//   1 row (int4; a one-client decode step)  dot_rows_int4: two groups per load, eight
-//                                           groups scaled per vector instruction
-//   8-23 rows, per full block of 8 rows     dot_8rows: one output row at a time
-//   24+ rows, per full block of 8 rows      dot_tile: tiles of 8 rows x 8 outputs
-//   the rows left over (and small batches)  dot_rows: four rows per decoded group
+// of output rows n; x's rows are taken four at a time, so a group's weights are
+// decoded once for four rows (dot_rows); an int4 batch of one row (a one-client
+// decode step) takes dot_rows_int4, which decodes two groups per load and scales eight
+// groups per vector instruction.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,9 +58,6 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-// Batches of at least this many rows take dot_tile for their full blocks of 8 rows, smaller
-// ones dot_8rows (see the dispatch comment above quant_linear).
-constexpr int64_t kTileMinRows = 24;
 
 // Scales and mins are float16 (GGUF's own precision for Q4_0 / Q4_1 / Q8_0).
 inline float half_to_float(uint16_t bits) {
@@ -80,42 +75,26 @@ inline __m256 load_halves(const uint16_t* p) {  // 8 float16 -> 8 float32
 #endif
 constexpr int64_t kRowBlock = 4;  // rows of x sharing one decode of a weight group
 
-// Where step i of a group's 16 steps in a tile of 8 rows x 8 outputs (dot_tile) takes
-// its pair of columns (j, j + 16): the weight pairs come out of AVX2's 16-bit unpacks,
-// which work within each 128-bit half, in the order
-//   i = 0..15  ->  j = 0 1 2 3 8 9 10 11 4 5 6 7 12 13 14 15
-// so column pair j sits at step i = j with bits 2 and 3 swapped.
-// Example: j = 4 (0b0100) -> i = 8 (0b1000).
-inline int64_t pair_step(int64_t j) { return (j & 3) | ((j & 4) << 1) | ((j & 8) >> 1); }
-
 // x [M, K] float32 -> xq int16, dx [M, G], sums [M, G] = dx * sum(xq) per group.
-// `values` holds `stride` int16 per row: K in natural order (dot_rows), or (`pairs`, the
-// one-row int4 kernel) each pair of groups (g, g + 1) interleaved in runs of 8, the order
-// in which one 32-byte load of their packed weights unpacks (see dot_rows_int4):
+// xq holds `stride` int16 per row: K in natural order, or (`pairs`, the int4 kernel's
+// layout) each pair of groups (g, g + 1) interleaved in runs of 8, the order in which
+// one 32-byte load of their packed weights unpacks (see dot_rows_int4):
 //   [g 0-7, g+1 0-7, g 8-15, g+1 8-15, g 16-23, g+1 16-23, g 24-31, g+1 24-31]
 // Example, K = 96 (3 groups): stride 128; the last pair is group 2 with a zero group 3.
-// The first `blocked_rows` rows (a multiple of 8) are also written to `blocked`, for
-// dot_tile: block b (rows 8b..8b+7) at 8b * K, then per group 16 steps of 8 int32 pairs,
-// step i = pair_step(j) holding (x[r, j], x[r, j + 16]) of the group for r = 0..7:
-//   blocked[8b * K + 256 g + 16 pair_step(j) + 2 r + (k >= 16)],   j = k % 16
-// Example: row 8b + 3, k = 32 g + 20 -> j = 4, step 8 -> 8b K + 256 g + 128 + 7.
-// Below kTileMinRows (dot_8rows) there is no `blocked` copy; scales_t / sums_t hold the
-// same values as scales / sums as [G, M] (group-major) instead, so that a block's 8 rows
-// read their scales of one group in one load.
+// With `transposed`, scales_t / sums_t hold the same values as [G, M] (group-major), so
+// that the 8 rows of a block (dot_8rows) read their scales of one group in one load.
 struct QuantizedActivations {
-  std::vector<int16_t> values, blocked;
+  std::vector<int16_t> values;
   std::vector<float> scales, sums, scales_t, sums_t;
   int64_t stride = 0;
 };
 
 QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t cols,
-                                          bool pairs, int64_t blocked_rows) {
+                                          bool pairs, bool transposed) {
   const int64_t groups = cols / kGroup;
   QuantizedActivations qa;
   qa.stride = pairs ? (groups + 1) / 2 * 2 * kGroup : cols;
   qa.values.assign(rows * qa.stride, 0);
-  const bool transposed = blocked_rows > 0 && blocked_rows < kTileMinRows;  // dot_8rows
-  qa.blocked.resize(transposed ? 0 : blocked_rows * cols);
   qa.scales.resize(rows * groups);
   qa.sums.resize(rows * groups);
   qa.scales_t.resize(transposed ? rows * groups : 0);
@@ -128,14 +107,13 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
       const float scale = amax / 32767.f;
       const float inverse = scale > 0.f ? 1.f / scale : 0.f;
       int16_t* row = qa.values.data() + m * qa.stride;
-      int16_t* block = m < blocked_rows && !transposed ? qa.blocked.data() + m / 8 * 8 * cols
-                                                       : nullptr;
       int32_t sum = 0;
       for (int64_t k = 0; k < kGroup; ++k) {
         const int16_t q = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
         // pairs: run k / 8 of group g sits at run 2 (k / 8) + g % 2 of the pair's 64.
-        row[pairs ? (g / 2) * 2 * kGroup + (2 * (k / 8) + g % 2) * 8 + k % 8 : g * kGroup + k] = q;
-        if (block) block[g * 8 * kGroup + pair_step(k % 16) * 16 + 2 * (m % 8) + k / 16] = q;
+        const int64_t at = pairs ? (g / 2) * 2 * kGroup + (2 * (k / 8) + g % 2) * 8 + k % 8
+                                 : g * kGroup + k;
+        row[at] = q;
         sum += q;
       }
       qa.scales[m * groups + g] = scale;
@@ -282,142 +260,7 @@ inline void dot_rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t* 
   }
   for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]) + acc_min[r];
 }
-// The 8 x 8 int32 transpose: r[o][i] -> r[i][o].
-inline void transpose8x8(__m256i r[8]) {
-  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-  r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
-  r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
-  r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
-  r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
-  r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
-  r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-  r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
-  r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-
-// One group of 8 output rows, unpacked for dot_tile: 16 steps of 8 int32 weight pairs
-// (lane o: q[n + o, j] | q[n + o, j + 16] << 16, in the step order of pair_step), and the
-// 8 rows' scales and mins as float32.
-template <bool kInt4>
-inline void unpack_tile_group(const uint8_t* weight, int64_t row_bytes, const uint16_t* scales,
-                              const uint16_t* mins, int64_t groups, int64_t n, int64_t g,
-                              int32_t* pairs, float* wscale, float* wmin) {
-  __m256i lo[8], hi[8], q[2];
-  for (int o = 0; o < 8; ++o) {
-    load_group(weight + (n + o) * row_bytes + g * (kInt4 ? kGroup / 2 : kGroup), kInt4, q);
-    lo[o] = _mm256_unpacklo_epi16(q[0], q[1]);  // steps 0-7 (j = 0-3, 8-11)
-    hi[o] = _mm256_unpackhi_epi16(q[0], q[1]);  // steps 8-15 (j = 4-7, 12-15)
-  }
-  transpose8x8(lo);
-  transpose8x8(hi);
-  __m256i* dst = reinterpret_cast<__m256i*>(pairs);
-  for (int i = 0; i < 8; ++i) {
-    _mm256_store_si256(dst + i, lo[i]);
-    _mm256_store_si256(dst + 8 + i, hi[i]);
-  }
-  for (int o = 0; o < 8; ++o) {
-    wscale[o] = half_to_float(scales[(n + o) * groups + g]);
-    if (kInt4) wmin[o] = half_to_float(mins[(n + o) * groups + g]);
-  }
-}
-
-// The integer dots of one group for 8 rows x 8 outputs: d[r] lane o = q[n + o, g, :] .
-// xq[m0 + r, g, :]. Each of the 16 steps loads the 8 outputs' weight pairs once and
-// multiplies them by each row's activation pair, broadcast: 8 madd + 8 add. Written in
-// assembly because GCC 12 spills one of the 8 accumulators to the stack in this loop
-// (16 registers: 8 sums, the weights, and the broadcasts it loads all ahead), which made
-// it ~1.5x slower (stand-alone, one thread: 47 against ~30 G multiply-adds/s).
-inline void tile_group_dots(const int32_t* w, const int16_t* x, __m256i d[8]) {
-  __m256i d0 = _mm256_setzero_si256(), d1 = d0, d2 = d0, d3 = d0, d4 = d0, d5 = d0, d6 = d0,
-          d7 = d0;
-  int64_t steps = 16;
-  asm volatile(
-      "1:\n\t"
-      "vmovdqu (%[w]), %%ymm15\n\t"
-      "vpbroadcastd (%[x]), %%ymm14\n\t"
-      "vpmaddwd %%ymm14, %%ymm15, %%ymm14\n\t"
-      "vpaddd %%ymm14, %[d0], %[d0]\n\t"
-      "vpbroadcastd 4(%[x]), %%ymm13\n\t"
-      "vpmaddwd %%ymm13, %%ymm15, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[d1], %[d1]\n\t"
-      "vpbroadcastd 8(%[x]), %%ymm12\n\t"
-      "vpmaddwd %%ymm12, %%ymm15, %%ymm12\n\t"
-      "vpaddd %%ymm12, %[d2], %[d2]\n\t"
-      "vpbroadcastd 12(%[x]), %%ymm11\n\t"
-      "vpmaddwd %%ymm11, %%ymm15, %%ymm11\n\t"
-      "vpaddd %%ymm11, %[d3], %[d3]\n\t"
-      "vpbroadcastd 16(%[x]), %%ymm14\n\t"
-      "vpmaddwd %%ymm14, %%ymm15, %%ymm14\n\t"
-      "vpaddd %%ymm14, %[d4], %[d4]\n\t"
-      "vpbroadcastd 20(%[x]), %%ymm13\n\t"
-      "vpmaddwd %%ymm13, %%ymm15, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[d5], %[d5]\n\t"
-      "vpbroadcastd 24(%[x]), %%ymm12\n\t"
-      "vpmaddwd %%ymm12, %%ymm15, %%ymm12\n\t"
-      "vpaddd %%ymm12, %[d6], %[d6]\n\t"
-      "vpbroadcastd 28(%[x]), %%ymm11\n\t"
-      "vpmaddwd %%ymm11, %%ymm15, %%ymm11\n\t"
-      "vpaddd %%ymm11, %[d7], %[d7]\n\t"
-      "add $32, %[w]\n\t"
-      "add $32, %[x]\n\t"
-      "dec %[steps]\n\t"
-      "jnz 1b\n\t"
-      : [d0] "+x"(d0), [d1] "+x"(d1), [d2] "+x"(d2), [d3] "+x"(d3), [d4] "+x"(d4),
-        [d5] "+x"(d5), [d6] "+x"(d6), [d7] "+x"(d7), [w] "+r"(w), [x] "+r"(x),
-        [steps] "+r"(steps)
-      :
-      : "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
-  d[0] = d0, d[1] = d1, d[2] = d2, d[3] = d3, d[4] = d4, d[5] = d5, d[6] = d6, d[7] = d7;
-}
-
-// out[m, n + o] for every full 8-row block (rows < blocked_rows) and the 8 output rows
-// n..n+7. Each group of the 8 rows' weights is unpacked once (unpack_tile_group) and
-// serves every block; lane o of every vector is output n + o, and per group and row r
-//   acc[r]     += float(d[r]) * (scales[n + o, g] * dx[m0 + r, g])
-//   acc_min[r] += mins[n + o, g] * sums[m0 + r, g]                     (int4 only)
-// the same products in the same order as the per-row kernels' (so the same bits).
-// `acc` holds 2 x 8 vectors per block (acc, acc_min), reused across calls.
-template <bool kInt4>
-inline void dot_tile(const uint8_t* weight, int64_t row_bytes, const uint16_t* scales,
-                     const uint16_t* mins, int64_t groups, const QuantizedActivations& qa,
-                     int64_t cols, int64_t blocked_rows, int64_t n, float* out,
-                     int64_t out_stride, std::vector<__m256>& acc) {
-  const int64_t num_blocks = blocked_rows / 8;
-  acc.assign(num_blocks * 16, _mm256_setzero_ps());
-  alignas(32) int32_t pairs[128];
-  alignas(32) float wscale[8], wmin[8] = {};
-  __m256i d[8];
-  for (int64_t g = 0; g < groups; ++g) {
-    unpack_tile_group<kInt4>(weight, row_bytes, scales, mins, groups, n, g, pairs, wscale,
-                             wmin);
-    const __m256 ws = _mm256_load_ps(wscale), wm = _mm256_load_ps(wmin);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      tile_group_dots(pairs, qa.blocked.data() + b * 8 * cols + g * 8 * kGroup, d);
-      __m256* block_acc = acc.data() + b * 16;
-      for (int r = 0; r < 8; ++r) {
-        const int64_t at = (b * 8 + r) * groups + g;
-        block_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]),
-                                       _mm256_mul_ps(ws, _mm256_set1_ps(qa.scales[at])),
-                                       block_acc[r]);
-        if (kInt4)
-          block_acc[8 + r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(qa.sums[at]), block_acc[8 + r]);
-      }
-    }
-  }
-  for (int64_t b = 0; b < num_blocks; ++b)
-    for (int r = 0; r < 8; ++r)
-      _mm256_storeu_ps(out + (b * 8 + r) * out_stride + n,
-                       _mm256_add_ps(acc[b * 16 + r], acc[b * 16 + 8 + r]));
-}
-// out[m, n] for the 8 rows m0..m0+7 (a full block of a batch below kTileMinRows rows) and
-// one output row n. dot_rows scales each row's
+// out[m, n] for the 8 rows m0..m0+7 and one output row n. dot_rows scales each row's
 // 8 lanes of partial sums per group (a scalar scale, a broadcast and an FMA per row and
 // group); here the 8 rows' integer dots of a group are first reduced across lanes and
 // gathered into one vector, lane r = row m0 + r, so a group costs one multiply and one
@@ -505,19 +348,14 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out
 }
 
 // int4 batches of up to kPairsMaxRows rows take dot_rows_int4 (AVX2). Larger ones and int8
-// take, for each full block of 8 rows (AVX2), dot_8rows below kTileMinRows rows (linear_chain,
-// int4, ABBA x3 on a noisy VM: 8 rows 36.0 vs 39.5 ms, 32 rows 147 vs 162 ms against dot_rows
-// alone) and dot_tile from there on, and the per-group loop (dot_rows, each weight group
-// decoded once for kRowBlock rows) for the rest. dot_tile against dot_8rows (SmolLM2's five
-// linear shapes, both builds in one process alternating, best of 21, 2 threads): int4 24 /
-// 32 / 64 rows 0.68 / 0.77 / 0.65 of the time, int8 0.96 / 0.85 / 0.82; at 16 rows int4
-// 0.81-1.06 and int8 1.06-1.09 (its weight unpacking and transposes are shared by only two
-// blocks), at 8 rows it does not pay: hence kTileMinRows = 24.
+// take dot_8rows for each full block of 8 rows (AVX2; linear_chain, int4, ABBA x3 on a
+// noisy VM: 8 rows 36.0 vs 39.5 ms, 32 rows 147 vs 162 ms against dot_rows alone) and the
+// per-group loop (dot_rows, each weight group decoded once for kRowBlock rows) for the rest.
 // Why dot_rows_int4 stops at one row: it keeps 4 pairs' sums per row in registers, and
 // with more than 2 rows they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs
 // 16.0 ms; 2 rows 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
 constexpr int64_t kPairsMaxRows = 1;
-constexpr int64_t kTileOut = 16;  // output rows per pass over one 8-row block (dot_8rows)
+constexpr int64_t kTileOut = 16;  // output rows per pass over one 8-row block (see below)
 
 template <bool kInt4>
 at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_bytes,
@@ -533,44 +371,26 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
 #else
   const bool blocks_of_8 = false;
 #endif
-  // Rows in full blocks of 8 go through dot_8rows or dot_tile when blocks_of_8; the rest
-  // (and, with dot_tile, the outputs past the last full tile of 8) row block by row block.
-  const int64_t blocked_rows = blocks_of_8 ? rows / 8 * 8 : 0;
-  const bool tiles = blocked_rows >= kTileMinRows;
   const QuantizedActivations qa =
-      quantize_activations(x.data_ptr<float>(), rows, cols, pairs, blocked_rows);
+      quantize_activations(x.data_ptr<float>(), rows, cols, pairs, blocks_of_8);
   auto out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
-  // Threads take units of 8 output rows, so that a full unit is the same tile of dot_tile
-  // whatever the split (and so the same bits); a short last unit runs row block by row
-  // block throughout.
-  const int64_t full_units = num_out / 8;
-  pagedserve::parallel_for(0, (num_out + 7) / 8, 2, [&](int64_t unit_begin, int64_t unit_end) {
-    const int64_t begin = unit_begin * 8, end = std::min(num_out, unit_end * 8);
-    // Outputs [begin, blocks_done) have their blocked rows done by the block kernels.
-    const int64_t blocks_done = blocked_rows == 0 ? begin
-                                : tiles       ? std::max(begin, std::min(unit_end, full_units) * 8)
-                                              : end;
+  // Rows in full blocks of 8 (dot_8rows) when blocks_of_8; the rest row block by row block.
+  const int64_t blocked_rows = blocks_of_8 ? rows / 8 * 8 : 0;
+  pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
 #if defined(__AVX2__) && defined(__F16C__)
-    if (blocked_rows > 0 && !tiles) {
-      // One 8-row block at a time over a tile of kTileOut output rows: the block's
-      // activations (8 x K int16) stay in L1 while the tile's weight rows pass, where an
-      // output row at a time would stream every row's activations from L2 per output row
-      // (linear_chain, 32 rows, int4: 136 vs 155 ms, int8: 107 vs 121 ms, means of 5 and 7
-      // interleaved runs on a noisy VM; 8 rows within noise).
-      for (int64_t tile = begin; tile < end; tile += kTileOut) {
-        const int64_t tile_end = std::min(end, tile + kTileOut);
-        for (int64_t m0 = 0; m0 < blocked_rows; m0 += 8)
-          for (int64_t n = tile; n < tile_end; ++n)
-            dot_8rows<kInt4>(weight + n * row_bytes, scales + n * groups,
-                             kInt4 ? mins + n * groups : nullptr, groups, qa, rows, m0, op + n,
-                             num_out);
-      }
-    } else if (tiles) {
-      std::vector<__m256> acc;
-      for (int64_t n = begin; n < blocks_done; n += 8)
-        dot_tile<kInt4>(weight, row_bytes, scales, mins, groups, qa, cols, blocked_rows, n, op,
-                        num_out, acc);
+    // One 8-row block at a time over a tile of kTileOut output rows: the block's
+    // activations (8 x K int16) stay in L1 while the tile's weight rows pass, where an
+    // output row at a time would stream every row's activations from L2 per output row
+    // (linear_chain, 32 rows, int4: 136 vs 155 ms, int8: 107 vs 121 ms, means of 5 and 7
+    // interleaved runs on a noisy VM; 8 rows within noise).
+    for (int64_t tile = begin; tile < end; tile += kTileOut) {
+      const int64_t tile_end = std::min(end, tile + kTileOut);
+      for (int64_t m0 = 0; m0 < blocked_rows; m0 += 8)
+        for (int64_t n = tile; n < tile_end; ++n)
+          dot_8rows<kInt4>(weight + n * row_bytes, scales + n * groups,
+                           kInt4 ? mins + n * groups : nullptr, groups, qa, rows, m0, op + n,
+                           num_out);
     }
 #endif
     for (int64_t n = begin; n < end; ++n) {
@@ -584,7 +404,7 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
         continue;
       }
 #endif
-      int64_t m0 = n < blocks_done ? blocked_rows : 0;
+      int64_t m0 = blocked_rows;
       for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
         dot_rows<kInt4, kRowBlock>(wrow, srow, mrow, groups, qa, m0, o, num_out);
       switch (rows - m0) {
