@@ -66,6 +66,8 @@ def test_gguf_grid_values_requantize_exactly(ggml_type, spec):
                          [(1, 48, 64), (3, 100, 96), (16, 64, 320), (40, 16, 32), (13, 40, 96),
                           # two 8-row blocks and 3 left over; 37 outputs: a partial output tile
                           (19, 37, 96),
+                          # three and four blocks, 3 rows left over, K = 1536 (48 groups)
+                          (27, 37, 96), (32, 24, 1536),
                           # one row: int4 takes dot_rows_int4 -- blocks of 8 groups, a
                           # leftover pair, an odd last group
                           (1, 20, 96), (1, 33, 320), (1, 17, 576), (1, 8, 32)])
