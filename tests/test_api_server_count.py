@@ -21,6 +21,7 @@ directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -239,20 +240,41 @@ async def _completions(url: str, prompts: list[str], stream: bool) -> list[tuple
     return await asyncio.gather(*(one(prompt) for prompt in prompts))
 
 
+def _api_server_pids(pair: ServerProcess) -> dict[str, int]:
+    """API server index -> pid, from the launcher's "N API servers (pids a, b)" line."""
+    for line in pair.lines:
+        match = re.search(r"API servers \(pids ([\d, ]+)\)", line)
+        if match:
+            return {str(k): int(pid) for k, pid in enumerate(match.group(1).split(", "))}
+    raise AssertionError("the launcher did not log its API servers' pids")
+
+
+@contextlib.contextmanager
+def only_api_server(pair: ServerProcess, index: str):
+    """New connections made inside go to API server `index`: the others are paused
+    (SIGSTOP) meanwhile, so only it accepts from the shared listening socket. Left to
+    itself the kernel picks, and may pick the same API server every time (seen in CI)."""
+    others = [pid for k, pid in _api_server_pids(pair).items() if k != index]
+    for pid in others:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in others:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_both_api_servers_serve_the_same_greedy_outputs(servers):
     pair, single = servers
     with httpx.Client(timeout=60) as client:
         reference = {prompt: _complete(single.url, prompt, client)[0] for prompt in PROMPTS}
         assert all(text for text in reference.values())
-        seen: set[str] = set()
-        for _ in range(10):  # the kernel picks the API server: until both have answered
-            for stream in (False, True):
-                results = asyncio.run(_completions(pair.url, PROMPTS, stream))
-                assert [text for text, _ in results] == [reference[p] for p in PROMPTS]
-                seen.update(server for _, server in results)
-            if seen == {"0", "1"}:
-                break
-        assert seen == {"0", "1"}
+        for index in ("0", "1"):
+            with only_api_server(pair, index):
+                for stream in (False, True):
+                    results = asyncio.run(_completions(pair.url, PROMPTS, stream))
+                    assert [text for text, _ in results] == [reference[p] for p in PROMPTS]
+                    assert {server for _, server in results} == {index}
         for path in ("/health", "/v1/models", "/version"):
             response = client.get(pair.url + path)
             assert response.status_code == 200 and response.headers[HEADER] in {"0", "1"}
@@ -276,15 +298,15 @@ def _scrape(url: str) -> tuple[dict, str]:
     return parse(response.text)[0], response.headers[HEADER]
 
 
-def _scrape_both(url: str) -> dict[str, dict]:
-    """/metrics of each API server (new connections until both have answered)."""
+def _scrape_both(pair: ServerProcess) -> dict[str, dict]:
+    """/metrics of each API server."""
     scrapes: dict[str, dict] = {}
-    for _ in range(100):
-        samples, server = _scrape(url)
+    for index in ("0", "1"):
+        with only_api_server(pair, index):
+            samples, server = _scrape(pair.url)
+        assert server == index
         scrapes[server] = samples
-        if len(scrapes) == 2:
-            return scrapes
-    raise AssertionError(f"only API server(s) {sorted(scrapes)} answered /metrics")
+    return scrapes
 
 
 def test_a_client_leaving_one_api_server_leaves_the_others_streams_alone(servers):
@@ -294,42 +316,50 @@ def test_a_client_leaving_one_api_server_leaves_the_others_streams_alone(servers
     max_tokens = 200
 
     async def run() -> dict[str, list[tuple[str, int]]]:
-        """Streams on both API servers; one stream on API server 0 leaves after 3 chunks."""
+        """Six streams on each API server; one on API server 0 leaves after 3 chunks."""
         outcome: dict[str, list[tuple[str, int]]] = {"0": [], "1": []}
         left = asyncio.Event()
 
-        async def stream(index: int) -> None:
-            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                body = {"model": "tiny", "prompt": PROMPTS[index % len(PROMPTS)],
-                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                        "ignore_eos": True, "stream_options": {"include_usage": True}}
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    server = response.headers[HEADER]
-                    chunks, finish, tokens = 0, None, 0
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        chunks += 1
-                        if chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                        if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
-                            finish = chunk["choices"][0]["finish_reason"]
-                        if server == "0" and chunks == 3 and not left.is_set():
-                            left.set()
-                            outcome[server].append(("left", chunks))
-                            return  # closes the connection mid-stream
-                    outcome[server].append((finish or "none", tokens))
+        async def start(index: int) -> tuple[httpx.AsyncClient, httpx.Response]:
+            client = httpx.AsyncClient(base_url=url, timeout=60)
+            body = {"model": "tiny", "prompt": PROMPTS[index % len(PROMPTS)],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            request = client.build_request("POST", "/v1/completions", json=body)
+            return client, await client.send(request, stream=True)
 
-        await asyncio.gather(*(stream(i) for i in range(12)))
+        async def read(client: httpx.AsyncClient, response: httpx.Response) -> None:
+            server = response.headers[HEADER]
+            chunks, finish, tokens = 0, None, 0
+            try:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    chunks += 1
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                        finish = chunk["choices"][0]["finish_reason"]
+                    if server == "0" and chunks == 3 and not left.is_set():
+                        left.set()
+                        outcome[server].append(("left", chunks))
+                        return  # leaves mid-stream: the connection closes below
+                outcome[server].append((finish or "none", tokens))
+            finally:
+                await response.aclose()
+                await client.aclose()
+
+        streams = []
+        for index, numbers in (("0", range(6)), ("1", range(6, 12))):
+            with only_api_server(pair, index):
+                streams += await asyncio.gather(*(start(i) for i in numbers))
+        assert [r.headers[HEADER] for _, r in streams] == ["0"] * 6 + ["1"] * 6
+        await asyncio.gather(*(read(client, response) for client, response in streams))
         return outcome
 
-    for _ in range(10):  # until the kernel gave each API server some of the streams
-        outcome = asyncio.run(run())
-        if outcome["0"] and outcome["1"] and ("left", 3) in outcome["0"]:
-            break
-    else:
-        pytest.fail(f"the streams did not reach both API servers: {outcome}")
+    outcome = asyncio.run(run())
+    assert len(outcome["0"]) == len(outcome["1"]) == 6 and ("left", 3) in outcome["0"], outcome
     finished = [result for results in outcome.values() for result in results
                 if result != ("left", 3)]
     assert finished == [("length", max_tokens)] * len(finished), outcome
@@ -349,10 +379,10 @@ def test_a_client_leaving_one_api_server_leaves_the_others_streams_alone(servers
 
 def test_metrics_from_either_api_server_count_both(servers):
     pair, _ = servers
-    before = _scrape_both(pair.url)
+    before = _scrape_both(pair)
     results = asyncio.run(_completions(pair.url, PROMPTS * 2, stream=False))
     served = {server for _, server in results}
-    after = _scrape_both(pair.url)
+    after = _scrape_both(pair)
     length = "pagedserve:request_success_total"
     for server in ("0", "1"):
         counted = (value(after[server], length, finished_reason="length")
