@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Literal
 
 import zmq
@@ -51,6 +52,7 @@ from engine.ipc import (
     LAUNCHER_IDENTITY,
     AbortRequests,
     AddRequest,
+    Codec,
     CoreMessage,
     EngineDead,
     FrontendMessage,
@@ -452,13 +454,64 @@ class AsyncEngineCoreClient(abc.ABC):
             self._ping = None
 
 
-class AsyncMPClient(AsyncEngineCoreClient):
+class _SocketClient(AsyncEngineCoreClient):
+    """A core in another process, over ZMQ: messages go out on `_input`, come back on
+    `_output`. Subclasses set both sockets and `_codec`, and say how the core's death
+    shows (`check_alive`, and `gone` while it starts)."""
+
+    _codec: Codec
+    _input: zmq.asyncio.Socket
+    _output: zmq.asyncio.Socket
+
+    async def _wait_until_ready(self, startup_timeout_s: float,
+                                gone: Callable[[], EngineStartupError | None]) -> None:
+        """Wait for the core's first message (Ready: sets kv_cache_info). Raises
+        EngineStartupError: the core's own, `gone()`'s when that is not None (the core
+        exited), or a timeout. Shuts this client down before raising."""
+        deadline = time.monotonic() + startup_timeout_s
+        try:
+            while not await self._output.poll(_POLL_MS):
+                error = gone()
+                if error is not None:
+                    raise error
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(
+                        f"the engine core did not start within {startup_timeout_s:.0f} s")
+            message = self._codec.decode(await self._output.recv())
+            self.kv_cache_info = _CoreProcess.handle_startup_message(message)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _send(self, message: FrontendMessage) -> None:
+        """Raises EngineDeadError if the core dies before it can take the message.
+
+        A socket whose peer is gone blocks a send forever: wait for room in slices of
+        _DEATH_POLL_MS and check the core between them.
+        """
+        data = self._codec.encode(message)
+        while True:
+            try:  # the usual case, with room: sent without yielding to the event loop
+                await self._input.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await self._input.poll(_DEATH_POLL_MS, zmq.POLLOUT)
+                self.check_alive()
+
+    async def _next_message(self) -> CoreMessage:
+        while not await self._output.poll(_DEATH_POLL_MS):
+            self.check_alive()
+        return self._codec.decode(await self._output.recv())
+
+
+class AsyncMPClient(_SocketClient):
     """The core in its own (spawned) process, over ZMQ ipc:// sockets."""
 
     def __init__(self, config: EngineConfig, executor_spec: ExecutorSpec | None, log_level: str):
         super().__init__()
         self._codec = frontend_codec()
         self._proc = _CoreProcess(zmq.asyncio.Context(), config, executor_spec, log_level)
+        self._input, self._output = self._proc.input_socket, self._proc.output_socket
         self._finalizer = weakref.finalize(self, self._proc.close)
 
     @classmethod
@@ -471,44 +524,14 @@ class AsyncMPClient(AsyncEngineCoreClient):
     ) -> AsyncMPClient:
         """Spawn the core and wait until it is ready (or raise EngineStartupError)."""
         client = cls(config, executor_spec, log_level)
-        deadline = time.monotonic() + startup_timeout_s
-        try:
-            while not await client._proc.output_socket.poll(_POLL_MS):
-                if not client._proc.process.is_alive():
-                    raise client._proc.startup_failed()
-                if time.monotonic() > deadline:
-                    raise EngineStartupError(
-                        f"the engine core did not start within {startup_timeout_s:.0f} s")
-            message = client._codec.decode(await client._proc.output_socket.recv())
-            client.kv_cache_info = client._proc.handle_startup_message(message)
-        except BaseException:
-            client.shutdown()
-            raise
+        proc = client._proc
+        await client._wait_until_ready(
+            startup_timeout_s, lambda: None if proc.process.is_alive() else proc.startup_failed())
         return client
 
     @property
     def pid(self) -> int | None:
         return self._proc.process.pid
-
-    async def _send(self, message: FrontendMessage) -> None:
-        """Raises EngineDeadError if the core dies before it can take the message.
-
-        A PUSH socket whose peer is gone blocks a send forever: wait for room in
-        slices of _DEATH_POLL_MS and check the core between them.
-        """
-        data = self._codec.encode(message)
-        while True:
-            try:  # the usual case, with room: sent without yielding to the event loop
-                await self._proc.input_socket.send(data, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                await self._proc.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT)
-                self._proc.check_alive()
-
-    async def _next_message(self) -> CoreMessage:
-        while not await self._proc.output_socket.poll(_DEATH_POLL_MS):
-            self._proc.check_alive()
-        return self._codec.decode(await self._proc.output_socket.recv())
 
     def check_alive(self) -> None:
         self._proc.check_alive()
@@ -637,7 +660,7 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-class AsyncSharedCoreClient(AsyncEngineCoreClient):
+class AsyncSharedCoreClient(_SocketClient):
     """Frontend k of several sharing one engine core (started by the launcher).
 
     A DEALER (routing id `frontend_identity(k)`) to the core's ROUTER, a PULL bound at
@@ -654,52 +677,29 @@ class AsyncSharedCoreClient(AsyncEngineCoreClient):
         self.link = link
         self._codec = frontend_codec()
         self._context = zmq.asyncio.Context()
-        self.input_socket = self._context.socket(zmq.DEALER)
-        self.input_socket.setsockopt(zmq.ROUTING_ID, frontend_identity(link.client_index))
-        self.input_socket.connect(link.addresses.input_address)
-        self.output_socket = self._context.socket(zmq.PULL)
-        self.output_socket.bind(link.addresses.output_addresses[link.client_index])
+        self._input = self._context.socket(zmq.DEALER)
+        self._input.setsockopt(zmq.ROUTING_ID, frontend_identity(link.client_index))
+        self._input.connect(link.addresses.input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(link.addresses.output_addresses[link.client_index])
         self._closed = False
 
     @classmethod
     async def start(cls, link: SharedCoreLink,
                     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> AsyncSharedCoreClient:
         """Join the core and wait for its Ready (or raise EngineStartupError)."""
+        def gone() -> EngineStartupError | None:
+            if _process_gone(link.core_pid):
+                return EngineStartupError("the engine core process exited during start-up")
+            return None
+
         client = cls(link)
-        deadline = time.monotonic() + startup_timeout_s
-        try:
-            while not await client.output_socket.poll(_POLL_MS):
-                if _process_gone(link.core_pid):
-                    raise EngineStartupError("the engine core process exited during start-up")
-                if time.monotonic() > deadline:
-                    raise EngineStartupError(
-                        f"the engine core did not start within {startup_timeout_s:.0f} s")
-            message = client._codec.decode(await client.output_socket.recv())
-            client.kv_cache_info = _CoreProcess.handle_startup_message(message)
-        except BaseException:
-            client.shutdown()
-            raise
+        await client._wait_until_ready(startup_timeout_s, gone)
         return client
 
     @property
     def pid(self) -> int:
         return self.link.core_pid
-
-    async def _send(self, message: FrontendMessage) -> None:
-        """As AsyncMPClient._send: never blocked forever by a dead core."""
-        data = self._codec.encode(message)
-        while True:
-            try:
-                await self.input_socket.send(data, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                await self.input_socket.poll(_DEATH_POLL_MS, zmq.POLLOUT)
-                self.check_alive()
-
-    async def _next_message(self) -> CoreMessage:
-        while not await self.output_socket.poll(_DEATH_POLL_MS):
-            self.check_alive()
-        return self._codec.decode(await self.output_socket.recv())
 
     def check_alive(self) -> None:
         if _process_gone(self.link.core_pid):
@@ -710,8 +710,8 @@ class AsyncSharedCoreClient(AsyncEngineCoreClient):
         if self._closed:
             return
         self._closed = True
-        self.input_socket.close(linger=1000)  # the last aborts still reach the core
-        self.output_socket.close(linger=0)
+        self._input.close(linger=1000)  # the last aborts still reach the core
+        self._output.close(linger=0)
         self._context.term()
 
 
