@@ -209,9 +209,6 @@ class APIServer:
         self.executor_spec = executor_spec
         self.shared_core = shared_core
         self._given_socket = sock
-        # SIGTERM/SIGINT handlers in serve() (main thread only); the launcher's API
-        # servers leave signals to the launcher.
-        self.handle_signals = shared_core is None
         self.state: ServerState | None = None
         self.socket: socket.socket | None = None
         self._uvicorn: uvicorn.Server | None = None
@@ -304,7 +301,9 @@ class APIServer:
         if self._stop_requested:
             self._stop.set()
         signals = []
-        if self.handle_signals and threading.current_thread() is threading.main_thread():
+        # SIGTERM/SIGINT handlers (main thread only); the launcher's API servers leave
+        # signals to the launcher.
+        if self.shared_core is None and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
                 signals.append(sig)
