@@ -363,13 +363,9 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
   const int64_t rows = x.size(0), cols = x.size(1), groups = cols / kGroup;
 #if defined(__AVX2__) && defined(__F16C__)
   const bool pairs = kInt4 && rows <= kPairsMaxRows;
-#else
-  const bool pairs = false;
-#endif
-#if defined(__AVX2__) && defined(__F16C__)
   const bool blocks_of_8 = !pairs && rows >= 8;
 #else
-  const bool blocks_of_8 = false;
+  const bool pairs = false, blocks_of_8 = false;
 #endif
   const QuantizedActivations qa =
       quantize_activations(x.data_ptr<float>(), rows, cols, pairs, blocks_of_8);
