@@ -37,8 +37,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_attention.cpp", "quant_linear.cpp", "fused_ops.cpp",
-                        "decoder_stack.cpp", "bindings.cpp")]
+           for name in ("paged_attention.cpp", "quant_linear.cpp", "gguf_linear.cpp",
+                        "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET

@@ -16,6 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int8 groups of 32 (float16 scales).");
+  m.def("gguf_dequantize", &gguf_dequantize, py::call_guard<py::gil_scoped_release>(),
+        "GGUF block-format rows [N, row_bytes] (uint8) -> float32 [N, K].");
+  m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(),
+        "x @ W.T with W in a GGUF block format (few rows: integer/row kernels; more: tiles).");
+  m.def("quant_tiled_linear", &quant_tiled_linear, py::call_guard<py::gil_scoped_release>(),
+        "x @ W.T for int4/int8 weights, decoded a tile at a time into x's dtype (many rows).");
   m.def("rms_norm", &rms_norm, "out = weight * x / sqrt(mean(x^2) + eps), row by row.");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place.");
   m.def("rotary_neox_", &rotary_neox_, "RoPE (neox halves) on q and k, in place.");

@@ -15,6 +15,11 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 // quant_linear.cpp
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
+// gguf_linear.cpp
+at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols);
+at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows);
+at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
+                              int64_t bits);
 // fused_ops.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

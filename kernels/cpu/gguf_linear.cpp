@@ -1,0 +1,379 @@
+// Linears whose weight stays in its GGUF block format (gguf_blocks.h): out[M, N] = x[M, K] @ W^T,
+// with W [N, K] the file's own bytes (memory-mapped) and never a dense float copy.
+//
+// Two paths, chosen per call by the number of rows M:
+//
+// - Few rows (decode steps, M <= max_rows): every weight is read once per call, so a step
+//   costs the bytes of the weights; the work per weight must be a few instructions.
+//   Q4_K and Q6_K (the bulk of a Q4_K_M file) have integer kernels (AVX2): x is rounded
+//   per row and group of 256 to int16 with a float scale (as quant_linear.cpp does per 32:
+//   at most 1.5e-5 of the group's largest |x|), each 16-weight run of the block is widened
+//   to int16 and multiplied by its integer sub-block scale (Q4_K: q sc <= 15 * 63; Q6_K:
+//   |(q - 32) sc| <= 32 * 128), and _mm256_madd_epi16 sums those against xq, exactly in
+//   int32 (bounds at each kernel). One float multiply per block (or half block) applies
+//   d * dx; Q4_K's min term is d_min * dx * sum_j m_j sum(xq of sub-block j), from sums
+//   kept beside xq. Other types decode each weight row to float once per call and take
+//   float dot products with every row of x.
+//   Each (row, output) is computed by the same instructions in the same order whatever
+//   M is or which other rows share the call: the few-row path is batch invariant.
+//
+// - Many rows (prefill chunks, wide batches): a tile of output rows is decoded into x's
+//   dtype (float32, or bfloat16 where the model runs in it) and multiplied with one
+//   at::mm, so the matmul runs at the BLAS/oneDNN speed of a dense weight while only one
+//   tile (~1 MiB) of decoded weights exists at a time. int4/int8 weights
+//   (quant_linear.cpp's formats) take the same path through their own row decoder.
+//
+// References: kernels.reference.gguf_linear_ref (gguf-py's dequantize + a float32 matmul).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "ops.h"
+#include "spin_pool.h"
+#include "vec8.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kSuper = 256;  // elements of a K-quant block (and of an activation group)
+
+// x [M, K] float32 rounded for the integer kernels: per row and group of 256,
+//   dx[m, g] = max |x| / 32767,  xq = round(x / dx) (half to even),
+// with sum32[m, j] = the sum of xq over each run of 32 (Q4_K's min term).
+struct Int16Rows {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum32;
+  int64_t cols = 0, groups = 0;
+};
+
+Int16Rows quantize_rows(const float* x, int64_t rows, int64_t cols) {
+  Int16Rows a;
+  a.cols = cols;
+  a.groups = cols / kSuper;
+  a.q.resize(rows * cols);
+  a.scale.resize(rows * a.groups);
+  a.sum32.resize(rows * cols / 32);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const float* xg = x + m * cols + g * kSuper;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kSuper; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      const float scale = amax / 32767.f;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+      int16_t* qg = a.q.data() + m * cols + g * kSuper;
+      for (int64_t j = 0; j < kSuper / 32; ++j) {
+        int32_t sum = 0;
+        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) {
+          qg[k] = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
+          sum += qg[k];
+        }
+        a.sum32[(m * cols + g * kSuper) / 32 + j] = sum;
+      }
+      a.scale[m * a.groups + g] = scale;
+    }
+  return a;
+}
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i madd_pair(__m256i w_lo, __m256i w_hi, const int16_t* x) {
+  return _mm256_add_epi32(
+      _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+      _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+}
+
+// Q4_K, rows m0..m0+R-1 of x against one weight row. Per block and lane, the int32 sum
+// gathers 32 products of |q sc| <= 945 and |xq| <= 32767: < 9.9e8, no overflow.
+template <int R>
+void q4k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
+              int64_t out_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  float min_acc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    min_acc[r] = 0.f;
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* block = wrow + g * 144;
+    const float d = gguf::half_at(block), dmin = gguf::half_at(block + 2);
+    uint8_t sc[8], mn[8];
+    gguf::unpack_k4_scales(block + 4, sc, mn);
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // 64 elements: low nibbles sub-block 2c, high 2c + 1
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      const __m256i lo = _mm256_and_si256(bytes, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+      const __m256i w0 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), s_lo);
+      const __m256i w1 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), s_lo);
+      const __m256i w2 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), s_hi);
+      const __m256i w3 = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)), s_hi);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = a.q.data() + (m0 + r) * a.cols + g * kSuper + 64 * c;
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(madd_pair(w0, w1, x),
+                                                             madd_pair(w2, w3, x + 32)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.scale[(m0 + r) * a.groups + g];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * dx), acc[r]);
+      const int32_t* xs = a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32;
+      int32_t min_sum = 0;
+      for (int j = 0; j < 8; ++j) min_sum += mn[j] * xs[j];
+      min_acc[r] += dmin * dx * static_cast<float>(min_sum);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]) - min_acc[r];
+}
+
+// Q6_K, rows m0..m0+R-1 against one weight row, a half block (128) at a time. Per half and
+// lane, the int32 sum gathers 16 products of |(q - 32) sc| <= 4096 and |xq| <= 32767:
+// <= 2,147,418,112 < 2^31, no overflow (a whole block could: hence the halves).
+template <int R>
+void q6k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
+              int64_t out_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  const __m256i bias = _mm256_set1_epi8(32);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* block = wrow + g * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = gguf::half_at(block + 208);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      // v[t] = elements 32t .. 32t + 31 of the half, as q - 32 in int8.
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
+      };
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i q = _mm256_sub_epi8(v[t], bias);
+        const int s = 8 * h + 2 * t;  // sub-blocks s (first 16) and s + 1 (next 16)
+        const __m256i w0 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                                              _mm256_set1_epi16(sc[s]));
+        const __m256i w1 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                              _mm256_set1_epi16(sc[s + 1]));
+        for (int r = 0; r < R; ++r) {
+          const int16_t* x = a.q.data() + (m0 + r) * a.cols + g * kSuper + 128 * h + 32 * t;
+          sums[r] = _mm256_add_epi32(sums[r], madd_pair(w0, w1, x));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float dx = a.scale[(m0 + r) * a.groups + g];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]);
+}
+#endif
+
+bool has_integer_kernel(int64_t type) {
+#if defined(__AVX2__)
+  return type == gguf::Q4_K || type == gguf::Q6_K;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+// sum_k a[k] b[k] in 8 float lanes, reduced in a fixed order.
+float dot(const float* a, const float* b, int64_t k) {
+  vec8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) acc += load8(a + i) * load8(b + i);
+  float total = sum8(acc);
+  for (; i < k; ++i) total += a[i] * b[i];
+  return total;
+}
+
+constexpr int64_t kRowBlock = 4;  // rows of x per pass over a decoded weight row
+
+// The few-row path: x float32 [M, K] -> out float32 [M, N].
+at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_bytes, int64_t type,
+                    int64_t num_out) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  at::Tensor out = at::empty({rows, num_out}, x.options());
+  float* op = out.data_ptr<float>();
+  if (has_integer_kernel(type)) {
+#if defined(__AVX2__)
+    const Int16Rows a = quantize_rows(xp, rows, cols);
+    pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const uint8_t* wrow = weight + n * row_bytes;
+        int64_t m0 = 0;
+        if (type == gguf::Q4_K) {
+          for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
+            q4k_rows<kRowBlock>(wrow, a, m0, op + n, num_out);
+          for (; m0 < rows; ++m0) q4k_rows<1>(wrow, a, m0, op + n, num_out);
+        } else {
+          for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
+            q6k_rows<kRowBlock>(wrow, a, m0, op + n, num_out);
+          for (; m0 < rows; ++m0) q6k_rows<1>(wrow, a, m0, op + n, num_out);
+        }
+      }
+    });
+#endif
+    return out;
+  }
+  pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(cols);
+    for (int64_t n = begin; n < end; ++n) {
+      gguf::dequantize_row(type, weight + n * row_bytes, w.data(), cols);
+      for (int64_t m = 0; m < rows; ++m) op[m * num_out + n] = dot(xp + m * cols, w.data(), cols);
+    }
+  });
+  return out;
+}
+
+using RowDecoder = std::function<void(int64_t row, float* dst)>;
+
+// The many-row path: tiles of decoded weight rows in x's dtype, one at::mm each.
+at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_row) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t tile_rows =
+      std::min(num_out, std::max<int64_t>(16, (int64_t{1} << 20) / (cols * x.element_size())));
+  at::Tensor out = at::empty({rows, num_out}, x.options());
+  at::Tensor tile = at::empty({tile_rows, cols}, x.options());
+  const auto dtype = x.scalar_type();
+  for (int64_t n0 = 0; n0 < num_out; n0 += tile_rows) {
+    const int64_t count = std::min(tile_rows, num_out - n0);
+    at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(cols);
+      for (int64_t r = begin; r < end; ++r) {
+        float* dst = dtype == at::kFloat ? tile.data_ptr<float>() + r * cols : buffer.data();
+        decode_row(n0 + r, dst);
+        if (dtype == at::kBFloat16) {
+          c10::BFloat16* t = tile.data_ptr<c10::BFloat16>() + r * cols;
+          for (int64_t k = 0; k < cols; ++k) t[k] = c10::BFloat16(buffer[k]);
+        } else if (dtype == at::kHalf) {
+          c10::Half* t = tile.data_ptr<c10::Half>() + r * cols;
+          for (int64_t k = 0; k < cols; ++k) t[k] = c10::Half(buffer[k]);
+        }
+      }
+    });
+    out.narrow(1, n0, count).copy_(at::mm(x, tile.narrow(0, 0, count).t()));
+  }
+  return out;
+}
+
+void check_x(const at::Tensor& x, int64_t cols) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                   x.scalar_type() == at::kHalf),
+              "x must be a contiguous float32/bfloat16/float16 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
+}
+
+int64_t checked_columns(const at::Tensor& raw, int64_t type, int64_t cols) {
+  const gguf::BlockFormat f = gguf::block_format(type);
+  TORCH_CHECK(f.elements > 0, "GGML type ", type, " has no decoder here");
+  TORCH_CHECK(cols > 0 && cols % f.elements == 0, "K = ", cols,
+              " is not a multiple of the type's block (", f.elements, ")");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  raw.size(1) == cols / f.elements * f.bytes,
+              "raw must be a contiguous uint8 [N, ", cols / f.elements * f.bytes, "] tensor");
+  return raw.size(1);
+}
+
+}  // namespace
+
+at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols) {
+  const int64_t row_bytes = checked_columns(raw, type, cols);
+  const int64_t rows = raw.size(0);
+  at::Tensor out = at::empty({rows, cols}, raw.options().dtype(at::kFloat));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      gguf::dequantize_row(type, src + n * row_bytes, dst + n * cols, cols);
+  });
+  return out;
+}
+
+at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t cols = x.size(1);
+  const int64_t row_bytes = checked_columns(raw, type, cols);
+  check_x(x, cols);
+  const uint8_t* weight = raw.data_ptr<uint8_t>();
+  const int64_t num_out = raw.size(0);
+  if (x.size(0) <= max_rows) {
+    const at::Tensor x32 = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    at::Tensor out = few_rows(x32, weight, row_bytes, type, num_out);
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
+  return tiled(x, num_out, [&](int64_t n, float* dst) {
+    gguf::dequantize_row(type, weight + n * row_bytes, dst, cols);
+  });
+}
+
+// int4 / int8 in quant_linear.cpp's formats (groups of 32, float16 scales and mins), tiled.
+at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
+                              int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
+                  scales.size(0) == data.size(0),
+              "data [N, K / 2 or K] and float16 scales [N, K / 32] must be contiguous");
+  const int64_t num_out = data.size(0), cols = scales.size(1) * 32;
+  TORCH_CHECK(data.size(1) == (bits == 4 ? cols / 2 : cols), "data has the wrong width");
+  TORCH_CHECK(bits == 8 || (mins.defined() && mins.sizes() == scales.sizes() &&
+                            mins.scalar_type() == at::kHalf && mins.is_contiguous()),
+              "int4 needs float16 mins shaped like scales");
+  check_x(x, cols);
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  const c10::Half* s = scales.data_ptr<c10::Half>();
+  const c10::Half* m = bits == 4 ? mins.data_ptr<c10::Half>() : nullptr;
+  const int64_t groups = cols / 32;
+  return tiled(x, num_out, [&](int64_t n, float* dst) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float scale = s[n * groups + g];
+      float* y = dst + g * 32;
+      if (bits == 8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(w) + n * cols + g * 32;
+        for (int j = 0; j < 32; ++j) y[j] = scale * q[j];
+      } else {
+        const float lowest = m[n * groups + g];
+        const uint8_t* q = w + n * (cols / 2) + g * 16;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = lowest + scale * (q[j] & 0x0F);
+          y[j + 16] = lowest + scale * (q[j] >> 4);
+        }
+      }
+    }
+  });
+}
