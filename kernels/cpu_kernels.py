@@ -94,13 +94,22 @@ STALE_LOCK_S = 600
 
 
 def build_directory() -> Path:
-    """One build per torch version and CPU feature set (`-march=native` code must not
-    run on a CPU without those features, e.g. from a home directory shared over NFS)."""
+    """One build per torch version, CPU feature set (`-march=native` code must not
+    run on a CPU without those features, e.g. from a home directory shared over NFS)
+    and source text (two checkouts of different versions never rebuild each other's)."""
     import torch
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     version = torch.__version__.replace("+", "_").replace(".", "_")
-    return Path(root) / f"{NAME}_torch{version}_isa{_cpu_features_tag()}"
+    return Path(root) / f"{NAME}_torch{version}_isa{_cpu_features_tag()}_src{_sources_tag()}"
+
+
+def _sources_tag() -> str:
+    """A digest of every C++ source and header of kernels/cpu."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES[0].parent.glob("*.[ch]*")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def _cpu_features_tag() -> str:
