@@ -16,13 +16,25 @@ class Reference:
     logprobs: list[torch.Tensor]  # per prompt: [steps, vocab] log-softmax of raw logits
 
 
+def load_hf_model(model_dir):
+    """transformers' model of `model_dir` in float32: a checkpoint directory, or one of our
+    GGUF cache directories, whose GGUF file transformers then loads (dequantized) itself."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader.gguf import gguf_source
+
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_greedy_reference(
     model_dir, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool
 ) -> Reference:
     """transformers `generate` (greedy, fp32) for each prompt on its own."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf_model(model_dir)
     extra = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
     ref = Reference([], [], [])
     with torch.inference_mode():

@@ -12,6 +12,7 @@ import torch
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.model_loader import gguf as gguf_module
 from engine.model_loader import source as source_module
+from tests.hf_reference import load_hf_model
 from tests.model_fixtures import (
     ARCHITECTURES,
     build_tiny_checkpoint,
@@ -24,9 +25,7 @@ from tests.model_fixtures import (
 
 
 def load_hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return load_hf_model(model_dir)
 
 
 def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
@@ -125,8 +124,9 @@ def test_gguf_conversion_is_cached_and_reused(tiny_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = resolve_model(str(tiny_gguf), cache_dir=cache)
     before = tree_state(first.path)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(
+    assert {"config.json", "gguf_source.json", "tokenizer.json", "chat_template.jinja"} <= set(
         before)
+    assert not any(name.endswith(".safetensors") for name in before)  # weights stay in the file
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again")
@@ -151,7 +151,7 @@ def test_failed_gguf_conversion_leaves_no_cache(tiny_gguf, tmp_path, monkeypatch
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(gguf_module, "_save_weights", crash)
+    monkeypatch.setattr(gguf_module, "_save_generation_config", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model(str(tiny_gguf), cache_dir=cache)
     assert list((cache / "gguf").iterdir()) == []
@@ -212,11 +212,16 @@ def test_default_model_matches_hf_and_answers(default_model):
         tokenize=False, add_generation_prompt=True)
     prompt = tokenizer(chat)["input_ids"]
     answer = tokenizer("The capital of France is Paris.<|im_end|>")["input_ids"]
-    ours = load_model(resolved.path, "auto", "cpu")
-    assert next(ours.parameters()).dtype == torch.float32
-    logits = prefill_logits(ours, [prompt + answer])
-    assert_logits_close(logits, hf_logits(load_hf(resolved.path), [prompt + answer]))
-    # Greedy decoding would produce the answer (teacher-forced: one forward pass). An
-    # independent check of the GGUF conversion, e.g. of Llama's q/k un-permutation.
-    greedy = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
-    assert tokenizer.decode(greedy) == tokenizer.decode(answer)
+    reference = hf_logits(load_hf(resolved.path), [prompt + answer])
+    # Dequantized to dense float32, and as served: Q4_1/Q8_0 packed (in place, exact).
+    for quantization in ("none", "auto"):
+        ours = load_model(resolved.path, torch.float32, "cpu", quantization)
+        assert next(ours.parameters()).dtype == torch.float32
+        packed = [m for m in ours.modules() if getattr(m, "quantized", None) is not None]
+        assert len(packed) == (121 if quantization == "auto" else 0)  # 30 x (qkv, o, gate_up, down) + lm_head
+        logits = prefill_logits(ours, [prompt + answer])
+        assert_logits_close(logits, reference)
+        # Greedy decoding would produce the answer (teacher-forced: one forward pass). An
+        # independent check of the GGUF loading, e.g. of Llama's q/k un-permutation.
+        greedy = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert tokenizer.decode(greedy) == tokenizer.decode(answer)

@@ -15,6 +15,7 @@ from engine.model_loader import iter_safetensors, load_model, resolve_dtype
 from engine.models import get_model_class, supported_architectures
 from engine.models.moe import SparseMoeBlock
 from engine.models.rotary import compute_inv_freq, rope_parameters
+from tests.hf_reference import load_hf_model
 from tests.model_fixtures import (
     ARCHITECTURES,
     build_hf_model,
@@ -40,9 +41,7 @@ def prompts() -> list[list[int]]:
 
 
 def load_hf(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return load_hf_model(model_dir)
 
 
 def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor) -> None:

@@ -1,17 +1,17 @@
-"""GGUF -> a normal HF checkpoint directory, converted once and cached.
+"""A GGUF file as the model's source: its config and tokenizer cached once, its weights
+read in place.
 
-    $PAGEDSERVE_CACHE/gguf/<stem>-<key>/      key = hash(file name, size, mtime, converter version)
+    $PAGEDSERVE_CACHE/gguf/<stem>-<key>/      key = hash(path, size, mtime, format version)
         config.json  generation_config.json
-        gguf_tensor_types.json  (HF tensor name -> GGML type, e.g. "Q4_1": what
-                                 --quantization auto serves it as)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
-        model.safetensors  (or model-0000i-of-0000n.safetensors + index)
+        gguf_source.json   {"gguf_file": "/abs/path/model.gguf"}
 
-The directory is written under a temporary name and renamed into place, so
-it either exists complete or not at all; a second start finds it and
-converts nothing. Weights are dequantized to float32 (bfloat16 for models
-over `FLOAT32_MAX_PARAMS`), the config comes from the GGUF metadata and the
-tokenizer (with its chat template) from transformers' GGUF tokenizer support.
+No weights are written: `engine.model_loader.gguf_weights` memory-maps the file when the
+model loads, and each tensor becomes the weight the kernels read in its own block
+format. The directory is written under a temporary name and renamed into place, so it
+either exists complete or not at all; a second start finds it and converts nothing.
+The config comes from the GGUF metadata and the tokenizer (with its chat template)
+from transformers' GGUF tokenizer support.
 
 Architectures: llama, qwen2, qwen3, qwen3moe.
 """
@@ -27,26 +27,19 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
+from gguf import GGMLQuantizationType
 
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
 
-if TYPE_CHECKING:
-    import torch
+# torch is never imported here: the HTTP frontend resolves models through this module.
 
-# torch is imported by the functions that convert (lazily): the HTTP frontend resolves
-# models through this module and never needs torch itself.
-
-GGUF_TYPES_FILE = "gguf_tensor_types.json"  # read by engine.model_loader.quantize
+GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live there
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # bump when the output format changes: old caches are then ignored
-FLOAT32_MAX_PARAMS = 1_500_000_000
-SHARD_BYTES = 2 << 30
+CONVERTER_VERSION = 3  # bump when the output format changes: old caches are then ignored
 
 # GGUF architecture -> (transformers model_type, HF architecture class name)
 _ARCHITECTURES = {
@@ -86,9 +79,9 @@ def default_cache_dir() -> Path:
 
 def converted_dir(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Where the conversion of `gguf_path` lives (whether or not it exists yet)."""
-    gguf_path = Path(gguf_path)
+    gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
-    key = f"{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+    key = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{digest}"
 
@@ -127,29 +120,95 @@ def _remove_abandoned_tmp_dirs(target: Path) -> None:
             pass  # alive, owned by someone else
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
-    """Write config, tokenizer and dequantized safetensors weights of `gguf_path` into `out_dir`."""
-    import torch
+# The GGML types kernels/cpu/gguf_blocks.h decodes (and so the types a file may use).
+SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
 
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+
+def check_tensors(gguf: GGUFFile) -> None:
+    """One-line UnsupportedGGUFError for a file we cannot serve: a tensor of a type we
+    lack, a tensor whose data runs past the end of the file (truncated), or a shape that
+    disagrees with the metadata's model dimensions."""
+    file_size = gguf.path.stat().st_size
+    expected = _expected_shapes(gguf)
+    for gguf_name, hf_name in hf_tensor_names(gguf):
+        info = gguf.tensors[gguf_name]
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedGGUFError(
+                f"tensor {gguf_name!r} has GGML type {info.ggml_type.name}, which pagedserve "
+                f"cannot serve; supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+        if info.offset + info.num_bytes > file_size:
+            raise UnsupportedGGUFError(
+                f"{gguf.path.name} is truncated: tensor {gguf_name!r} ends at byte "
+                f"{info.offset + info.num_bytes:,}, the file at {file_size:,}")
+        want = expected(hf_name)
+        if want is not None and tuple(info.shape) != want:
+            raise UnsupportedGGUFError(
+                f"tensor {gguf_name!r} has shape {list(info.shape)}, but the file's metadata "
+                f"describes a model where it is {list(want)}")
+
+
+def _expected_shapes(gguf: GGUFFile):
+    """HF tensor name -> the shape the metadata implies (None: not checked)."""
+    arch = gguf.get("general.architecture")
+
+    def meta(key: str, default=None):
+        return gguf.get(f"{arch}.{key}", default)
+
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    if hidden is None or heads is None:
+        raise UnsupportedGGUFError(f"{gguf.path.name}: metadata lacks {arch}.embedding_length "
+                                   "or attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    head_dim = meta("attention.key_length", hidden // heads)
+    inter = meta("feed_forward_length")
+    shapes = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    vocab = gguf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gguf.tensors else None
+    top = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+           "model.norm.weight": (hidden,)}
+
+    def expected(hf_name: str):
+        if hf_name in top:
+            return top[hf_name]
+        leaf = hf_name.split(".", 3)[-1]  # model.layers.N.<leaf>
+        return shapes.get(leaf)
+
+    return expected
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
+    """Write the config, generation config and tokenizer of `gguf_path` into `out_dir`, and
+    where its weights are (the file itself: nothing is dequantized here)."""
+    gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True)
     gguf = GGUFFile(gguf_path)
-    num_params = sum(int(np.prod(t.shape)) for t in gguf.tensors.values())
-    dtype = torch.float32 if num_params <= FLOAT32_MAX_PARAMS else torch.bfloat16
-    config = config_from_gguf(gguf, dtype)
-    with tqdm(total=len(gguf.tensors) + 1, unit="tensor",
-              desc=f"converting {gguf_path.name} (once)") as progress:
-        progress.set_postfix_str("tokenizer", refresh=False)
-        _save_tokenizer(gguf_path, out_dir)
-        progress.update()
-        config.save_pretrained(out_dir)
-        _save_generation_config(config, out_dir)
-        types: dict[str, str] = {}
-        _save_weights(gguf_tensors(gguf, config, progress, types), out_dir, dtype)
-        (out_dir / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
+    check_tensors(gguf)
+    config = config_from_gguf(gguf)
+    _save_tokenizer(gguf_path, out_dir)
+    config.save_pretrained(out_dir)
+    _save_generation_config(config, out_dir)
+    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf_file": str(gguf_path)}))
 
 
-def config_from_gguf(gguf: GGUFFile, dtype: torch.dtype):
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file whose weights `model_dir` (a cache directory) stands for, or None."""
+    path = Path(model_dir) / GGUF_SOURCE_FILE
+    if not path.is_file():
+        return None
+    return Path(json.loads(path.read_text())["gguf_file"])
+
+
+def config_from_gguf(gguf: GGUFFile):
     """A transformers config for the model the GGUF metadata describes."""
     from transformers import AutoConfig
 
@@ -180,7 +239,7 @@ def config_from_gguf(gguf: GGUFFile, dtype: torch.dtype):
         eos_token_id=gguf.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=gguf.get("tokenizer.ggml.padding_token_id"),
         architectures=[class_name],
-        dtype=str(dtype).removeprefix("torch."),
+        dtype="float32",
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
@@ -204,51 +263,36 @@ def config_from_gguf(gguf: GGUFFile, dtype: torch.dtype):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def gguf_tensors(gguf: GGUFFile, config, progress=None, types: dict[str, str] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for each GGUF tensor, dequantized one at a time.
+def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
+    """(GGUF tensor name, HF checkpoint name) for each tensor that holds weights.
 
-    `types`, if given, receives HF name -> the GGUF tensor's GGML type name.
-
-    llama.cpp's converter permutes Llama's q/k rows for its rotary layout; they
-    are permuted back here. Stacked expert tensors [E, ...] are split per expert.
+    Stacked expert tensors [E, ...] map to the name of expert 0 with ".{e}" left as
+    "{expert}" for the caller to fill: `model.layers.3.mlp.experts.{expert}.up_proj.weight`.
+    Raises UnsupportedGGUFError for a tensor the architectures here have no place for.
     """
-    import torch
-
-    arch = gguf.get("general.architecture")
     for name in gguf.tensors:
-        if progress is not None:
-            progress.set_postfix_str(name, refresh=False)
         if name == "rope_freqs.weight":
-            pass
-        elif name in _GLOBAL_NAMES:
-            if types is not None:
-                types[_GLOBAL_NAMES[name]] = gguf.tensors[name].ggml_type.name
-            yield _GLOBAL_NAMES[name], torch.from_numpy(gguf.load(name))
+            continue
+        if name in _GLOBAL_NAMES:
+            yield name, _GLOBAL_NAMES[name]
+            continue
+        match = _LAYER_TENSOR.match(name)
+        if match is None:
+            raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
+        layer, kind, leaf = match.groups()
+        prefix = f"model.layers.{layer}"
+        if kind in _EXPERT_NAMES:
+            yield name, f"{prefix}.mlp.experts.{{expert}}.{_EXPERT_NAMES[kind]}.{leaf}"
+        elif kind in _LAYER_NAMES:
+            yield name, f"{prefix}.{_LAYER_NAMES[kind]}.{leaf}"
         else:
-            match = _LAYER_TENSOR.match(name)
-            if match is None:
-                raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
-            layer, kind, leaf = match.groups()
-            prefix = f"model.layers.{layer}"
-            array = gguf.load(name)
-            if kind in _EXPERT_NAMES:
-                for expert, weights in enumerate(array):
-                    # (expert tensors are fused in the model and stay dense: no type recorded)
-                    yield (f"{prefix}.mlp.experts.{expert}.{_EXPERT_NAMES[kind]}.{leaf}",
-                           torch.from_numpy(np.ascontiguousarray(weights)))
-                continue
-            if kind not in _LAYER_NAMES:
-                raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
-                heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-                array = unpermute_rotary_rows(array, heads)
-            hf_name = f"{prefix}.{_LAYER_NAMES[kind]}.{leaf}"
-            if types is not None:
-                types[hf_name] = gguf.tensors[name].ggml_type.name
-            yield hf_name, torch.from_numpy(array)
-        if progress is not None:
-            progress.update()
+            raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
+
+
+def has_rotary_permutation(gguf: GGUFFile, gguf_name: str) -> bool:
+    """Whether llama.cpp's converter permuted this tensor's rows (Llama's q/k)."""
+    return gguf.get("general.architecture") == "llama" and (
+        gguf_name.endswith(".attn_q.weight") or gguf_name.endswith(".attn_k.weight"))
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -261,42 +305,6 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     head_size = rows // num_heads
     grouped = weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:])
     return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weight.shape))
-
-
-def _save_weights(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path,
-                  dtype: torch.dtype) -> None:
-    """Stream tensors into shards of about SHARD_BYTES; one file if they all fit."""
-    from safetensors.torch import save_file
-
-    parts: list[list[str]] = []  # tensor names of each written part
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        save_file(shard, str(out_dir / f"part-{len(parts):05d}.safetensors"),
-                  metadata={"format": "pt"})
-        parts.append(list(shard))
-        shard, shard_bytes = {}, 0
-
-    for name, tensor in tensors:
-        tensor = tensor.to(dtype).contiguous()
-        size = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + size > SHARD_BYTES:
-            flush()
-        shard[name] = tensor
-        shard_bytes += size
-    flush()
-    if len(parts) == 1:
-        os.rename(out_dir / "part-00000.safetensors", out_dir / "model.safetensors")
-        return
-    weight_map = {}
-    for i, names in enumerate(parts):
-        final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        os.rename(out_dir / f"part-{i:05d}.safetensors", out_dir / final)
-        weight_map.update(dict.fromkeys(names, final))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:

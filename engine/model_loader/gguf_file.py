@@ -59,6 +59,15 @@ class GGUFFile:
         if bytes(self._buf[:4]) != b"GGUF":
             raise UnsupportedGGUFError(f"{self.path} is not a GGUF file")
         self._pos = 4
+        try:
+            self._parse_header()
+        except (struct.error, IndexError, UnicodeDecodeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, UnsupportedGGUFError):
+                raise
+            raise UnsupportedGGUFError(f"{self.path.name} is truncated or corrupt: its header "
+                                       f"does not parse ({type(exc).__name__})") from None
+
+    def _parse_header(self) -> None:
         version = self._scalar(4)
         if version not in (2, 3):
             raise UnsupportedGGUFError(f"unsupported GGUF version {version} (2 and 3 are)")
@@ -80,12 +89,28 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, ne, ggml_type, offset in raw_infos:
             block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            if ne[0] % block_size:
+                raise UnsupportedGGUFError(f"tensor {name!r}: row length {ne[0]} is not a "
+                                           f"multiple of {ggml_type.name}'s block ({block_size})")
             num_bytes = math.prod(ne) // block_size * type_size
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), ggml_type,
                                                 data_start + offset, num_bytes)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored, memory-mapped (read-only): uint8 [rows, row_bytes]."""
+        info = self.tensors[name]
+        rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
+        return self._data[info.offset : info.offset + info.num_bytes].reshape(rows, -1)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor's bytes read from the file into memory (not mapped): uint8 [rows, row_bytes]."""
+        info = self.tensors[name]
+        rows = math.prod(info.shape[:-1]) if len(info.shape) > 1 else 1
+        data = np.fromfile(self.path, dtype=np.uint8, count=info.num_bytes, offset=info.offset)
+        return data.reshape(rows, -1)
 
     def load(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in numpy (= PyTorch) shape."""

@@ -14,6 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine import cpu_info
+from engine.distributed.parallel_state import get_tp_group
+from engine.model_loader.gguf import gguf_source
 from engine.model_loader.quantize import QuantizationReport, quantize_model
 from engine.models import get_model_class
 
@@ -106,9 +108,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
     """Our implementation of the checkpoint in `model_dir`, weights loaded, in eval mode.
 
     Parameters are allocated directly in `dtype` on `device` and never require
-    grad; tensors stream from disk one at a time. `quantization` (see
-    engine.model_loader.quantize) then gives linears int8/int4 weights; the
-    report of what it did is `model.quantization_report`.
+    grad; tensors stream from disk one at a time. A GGUF source (`model_dir` is its
+    cache directory: engine.model_loader.gguf) with `quantization` auto keeps its
+    quantized tensors packed, read in place; otherwise `quantization` (see
+    engine.model_loader.quantize) may give linears int8/int4 weights. What was done is
+    `model.quantization_report` (and `model.gguf_report` for a GGUF file).
     """
     from transformers import AutoConfig
 
@@ -118,12 +122,39 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
     start = time.perf_counter()
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config)
-    model.load_weights(iter_safetensors_slices(model_dir))
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is not None:
+        from engine.model_loader.gguf_weights import load_gguf_weights
+
+        pack, why = _packs_gguf(quantization, device)
+        if not pack:
+            logger.info("%s: dequantizing every tensor to dense %s in memory (%s)",
+                        gguf_file.name, dtype, why)
+        with torch.device(device):
+            model.gguf_report = load_gguf_weights(model, gguf_file, pack)
+        logger.info("%s", model.gguf_report.summary())
+    else:
+        model.load_weights(iter_safetensors_slices(model_dir))
     model.eval().requires_grad_(False)
-    report: QuantizationReport = quantize_model(model, quantization, model_dir, device)
+    report: QuantizationReport = quantize_model(model, quantization, device)
     model.quantization_report = report
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s (%s, %s) from %s in %.1f s: %.1f MiB of dense weights; %s",
-                model_class.__name__, dtype, torch.device(device), model_dir,
+                model_class.__name__, dtype, torch.device(device), gguf_file or model_dir,
                 time.perf_counter() - start, weight_bytes / 2**20, report.summary())
     return model
+
+
+def _packs_gguf(quantization: str, device: torch.device | str) -> tuple[bool, str]:
+    """Whether a GGUF file's quantized tensors stay packed, and if not, why."""
+    from kernels.cpu_kernels import cpu_kernels
+
+    if quantization != "auto":
+        return False, f"--quantization {quantization}"
+    if torch.device(device).type != "cpu":
+        return False, "the packed GGUF kernels run on the CPU only"
+    if get_tp_group().size > 1:
+        return False, "packed GGUF weights are not sharded for tensor parallelism"
+    if cpu_kernels() is None:
+        return False, "the C++ CPU kernels are unavailable"
+    return True, ""

@@ -27,7 +27,7 @@ from engine.attention.backends.torch_backend import KERNEL_DTYPES, TorchAttentio
 from engine.attention.forward_context import get_forward_context
 from engine.distributed.parallel_state import get_tp_group
 from engine.models.layers import GatedMLP, Linear
-from engine.models.quant import KERNEL_CALLS
+from engine.models.quant import KERNEL_CALLS, QuantizedWeight, batch_invariant
 from kernels.cpu_kernels import cpu_kernels
 
 STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
@@ -106,8 +106,7 @@ class FusedDecoderStack:
 
     def _count_kernel_calls(self, num_rows: int) -> None:
         for bits, max_rows in self._quantized:
-            if num_rows <= max_rows:
-                KERNEL_CALLS[f"int{bits}"] += 1
+            KERNEL_CALLS[f"int{bits}" if num_rows <= max_rows else "tiled"] += 1
 
 
 def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
@@ -122,6 +121,10 @@ def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
     if (layer.post_attention_layernorm.eps != eps
             or (attn.q_norm is not None and not attn.q_norm.eps == attn.k_norm.eps == eps)):
         return False
+    linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if any(lin.quantized is not None and not isinstance(lin.quantized, QuantizedWeight)
+           for lin in linears):
+        return False  # GGUF block formats run through the modules
     return all(param.dtype == dtype and param.device.type == "cpu"
                for param in layer.parameters())
 
@@ -132,9 +135,10 @@ def _linear_weights(ops, linear: Linear):
     if linear.bias is not None:
         w.bias = linear.bias.data
     quantized = linear.quantized
-    if quantized is not None and quantized.serves(1):
+    if quantized is not None:
         w.quant_bits = 4 if quantized.spec.method == "int4" else 8
-        w.quant_max_rows = quantized.max_rows
+        # Batch invariant: every batch on the few-row kernel (QuantizedWeight.serves).
+        w.quant_max_rows = 1 << 30 if batch_invariant() else quantized.max_rows
         w.data, w.scales = quantized.data, quantized.scales
         if quantized.mins is not None:
             w.mins = quantized.mins

@@ -18,6 +18,10 @@ from the checkpoint (rows or columns; see engine.distributed.sharding):
 With one rank every layer is the plain dense one. Quantization composes: a layer
 quantizes whatever shard it holds (`Linear.quantize`), so an int4 column-parallel
 linear is an int4 linear over its rank's rows.
+
+A linear (or embedding) whose weight is packed (int4/int8, or a GGUF block format read in
+place: engine.models.quant, engine.models.gguf_weight) holds only the packed weight; its
+`weight` parameter is then an empty placeholder of the compute dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from kernels.cpu_kernels import fused_ops_for
 
 def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def placeholder_param(dtype: torch.dtype) -> nn.Parameter:
+    """What `weight` becomes once the layer's weight is packed: 0 elements, the dtype kept."""
+    return nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> int:
@@ -83,9 +92,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out_features, in_features] as in HF checkpoints.
 
-    After `quantize(spec)` the layer also holds its weight in int8/int4 and runs the
-    quantized kernel for batches of up to `quantized.max_rows` rows; `weight` then
-    holds the dequantized values, used for larger batches (see engine.models.quant).
+    After `quantize(spec)` or `set_packed(w)` the layer holds its weight packed
+    (`quantized`: int4/int8 or GGUF blocks), which serves every batch size: few rows on
+    the integer kernels, many rows a decoded tile at a time; no dense copy is kept.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -102,18 +111,25 @@ class Linear(nn.Module):
         return self._matmul(x, self.bias)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None and self.quantized.serves(x.shape[0]):
+        if self.quantized is not None:
             return self.quantized.matmul(x, bias)
         return F.linear(x, self.weight, bias)
 
     def quantize(self, spec: QuantSpec, max_rows: int | None = None) -> bool:
-        """Quantize the loaded weight in place; False (and unchanged) if the shape does not suit."""
+        """Quantize the loaded weight and drop the dense one; False (and unchanged) if the
+        shape does not suit."""
         if not can_quantize(self.out_features, self.in_features):
             return False
-        self.quantized = quantize(self.weight.data, spec, max_rows)
-        with torch.no_grad():
-            self.weight.copy_(self.quantized.dequantized())
+        self.set_packed(quantize(self.weight.data, spec, max_rows))
         return True
+
+    def set_packed(self, packed) -> None:
+        """Hold `packed` (QuantizedWeight, GGUFWeight, StackedWeight) as the weight."""
+        if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight [{packed.out_features}, {packed.in_features}] for a "
+                             f"[{self.out_features}, {self.in_features}] linear")
+        self.quantized = packed
+        self.weight = placeholder_param(self.weight.dtype)
 
 
 class MergedLinear(Linear):
@@ -209,12 +225,20 @@ class VocabEmbedding(nn.Module):
         tp = get_tp_group()
         self.vocab_rows, shard = padded_range(vocab_size, tp.rank, tp.size)
         self.weight = empty_param(shard, hidden_size)
+        self.packed = None  # a packed table (one rank): lookups decode only their rows
 
     def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: None) -> int:
         return _load_vocab_rows(self.weight, tensor, self.vocab_rows, "embedding")
 
+    def set_packed(self, packed) -> None:
+        """Look rows up in `packed` (int8/int4 or GGUF blocks) and drop the dense table."""
+        self.packed = packed
+        self.weight = placeholder_param(self.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         tp = get_tp_group()
+        if self.packed is not None:
+            return self.packed.dequantize_rows(input_ids).to(self.weight.dtype)
         if tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_rows.start

@@ -1,17 +1,17 @@
 """Weight-only quantized linears on CPU: int4 and int8 in groups of 32 input columns.
 
-A `Linear` keeps its dense weight and may also carry a `QuantizedWeight`: the same
+A `Linear` may hold its weight as a `QuantizedWeight` instead of a dense tensor: the
 weight in 4 or 8 bits with float16 scales (and mins) per group of 32 (the layout and
 precision of GGUF's Q4_0 / Q4_1 / Q8_0, which therefore run exactly: 0.625 bytes per
-int4 weight, where float32 scales took 0.75), multiplied by the C++ kernels
-of `kernels/cpu/quant_linear.cpp`. Those read 5-6x fewer bytes than a float32
-matmul, which is what a small decode batch costs on a memory-bound CPU, but they
-are GEMV-like: past a few rows a dense matmul wins. So a layer runs its quantized
-kernel for batches of at most `max_rows` rows and its dense weight above that
-(prefill chunks, wide decode batches). The dense weight holds the *dequantized*
-values, so both paths multiply by the same numbers; the kernels also round the
-activations to int16 per group of 32 (at most 1.5e-5 of the group's largest value),
-which turns each group's dot product into a few integer instructions.
+int4 weight). There is no dense copy beside it. Batches of at most `max_rows` rows (decode
+steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp`, which read 5-6x fewer
+bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
+larger batches (prefill chunks, wide decode batches) decode a tile of weight rows at a
+time into the activations' dtype and multiply it with one matmul
+(`kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
+numbers. The kernels round the activations to int16 per group of 32 (at most 1.5e-5 of
+the group's largest value), which turns each group's dot product into a few integer
+instructions.
 
     int4 (asymmetric, Q4_1-like):  w = mins[n, g] + scales[n, g] * q,  q in [0, 15]
     int4 (symmetric, Q4_0):        w = scales[n, g] * (q - 8)  (mins = -8 * scales)
@@ -38,7 +38,20 @@ QuantMethod = Literal["int8", "int4"]
 GROUP_SIZE = 32
 
 # Calls of each quantized kernel since start-up: tests check the kernel really ran.
+# "int4"/"int8": the few-row kernels; "tiled": a many-row call decoding tiles.
 KERNEL_CALLS: Counter[str] = Counter()
+# Batch invariance (`--batch-invariant`): every batch takes the few-row kernels, whose
+# result for a row does not depend on the other rows. Set once at start-up.
+_BATCH_INVARIANT = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = bool(enabled)
+
+
+def batch_invariant() -> bool:
+    return _BATCH_INVARIANT
 
 
 def default_max_rows() -> int:
@@ -90,10 +103,13 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def serves(self, num_rows: int) -> bool:
-        return self._kernel is not None and num_rows <= self.max_rows
+        """Whether a batch of `num_rows` takes the few-row integer kernel."""
+        return self._kernel is not None and (num_rows <= self.max_rows or _BATCH_INVARIANT)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ w.T + bias, [M, N] in x's dtype."""
+        if not self.serves(x.shape[0]):
+            return self._matmul_many_rows(x, bias)
         x32 = x if x.dtype == torch.float32 else x.float()
         if not x32.is_contiguous():
             x32 = x32.contiguous()
@@ -107,17 +123,39 @@ class QuantizedWeight:
             out = out.to(x.dtype)
         return out if bias is None else out + bias
 
+    def _matmul_many_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._kernel is None:  # no C++ kernels: a transient dense weight per call
+            return torch.nn.functional.linear(x, self.dequantized().to(x.dtype), bias)
+        KERNEL_CALLS["tiled"] += 1
+        x = x if x.is_contiguous() else x.contiguous()
+        mins = self.mins if self.mins is not None else _NO_TENSOR
+        out = self._kernel.quant_tiled_linear(x, self.data, self.scales, mins,
+                                              4 if self.spec.method == "int4" else 8)
+        return out if bias is None else out + bias
+
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K] these integers stand for."""
-        n, k = self.out_features, self.in_features
+        return self.dequantize_rows(None)
+
+    def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """Rows `ids` (all rows for None) of the float32 weight: an embedding lookup."""
+        data, scales = self.data, self.scales
+        mins = self.mins
+        if ids is not None:
+            data, scales = data[ids], scales[ids]
+            mins = None if mins is None else mins[ids]
+        n, k = data.shape[0], self.in_features
         if self.spec.method == "int8":
-            q = self.data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+            q = data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
         else:
-            q = unpack_int4(self.data).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
-        weight = q * self.scales.float().unsqueeze(-1)
-        if self.mins is not None:
-            weight = weight + self.mins.float().unsqueeze(-1)
+            q = unpack_int4(data).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        weight = q * scales.float().unsqueeze(-1)
+        if mins is not None:
+            weight = weight + mins.float().unsqueeze(-1)
         return weight.view(n, k)
+
+
+_NO_TENSOR = torch.empty(0)
 
 
 def can_quantize(out_features: int, in_features: int) -> bool:

@@ -23,15 +23,21 @@
 
 namespace {
 
-// Linear._matmul: the quantized kernel for batches it serves (float32 in and out, so
-// bfloat16/float16 activations are widened first and the result rounded back), else
-// the dense weight.
+// Linear._matmul: the few-row quantized kernel for batches it serves (float32 in and out,
+// so bfloat16/float16 activations are widened first and the result rounded back), the
+// tiled path (decoded weight tiles in x's dtype) for larger ones, else the dense weight.
 at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
-  if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
-    const at::Tensor x32 = x.to(at::kFloat).contiguous();
-    at::Tensor out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
-                                       : int8_linear(x32, w.data, w.scales);
-    out = out.to(x.scalar_type());
+  if (w.quant_bits != 0) {
+    at::Tensor out;
+    if (x.size(0) <= w.quant_max_rows) {
+      const at::Tensor x32 = x.to(at::kFloat).contiguous();
+      out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
+                              : int8_linear(x32, w.data, w.scales);
+      out = out.to(x.scalar_type());
+    } else {
+      out = quant_tiled_linear(x.contiguous(), w.data, w.scales,
+                               w.quant_bits == 4 ? w.mins : at::Tensor(), w.quant_bits);
+    }
     return w.bias.defined() ? at::add(out, w.bias) : out;
   }
   return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)

@@ -1,0 +1,177 @@
+"""Linear weights in GGUF block formats, held as the file's own bytes (no dense copy).
+
+A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
+
+    Q4_0, Q4_1, Q8_0, Q5_0, IQ4_NL  -> QuantizedWeight (engine.models.quant), repacked once
+                                       at load and exact: a 32-block's float16 d (and m)
+                                       become the group's scale (and min), its integers
+                                       the group's q (Q5_0: q - 16, IQ4_NL: its table's
+                                       value, both in int8), the same bytes per weight or
+                                       fewer (Q5_0/IQ4_NL in int8: 1.06 vs 0.69/0.56)
+    every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
+      (Q2_K..Q6_K, Q5_1, IQ4_XS)       in the file, multiplied by kernels/cpu/gguf_linear.cpp
+
+A merged linear (qkv, gate_up) whose pieces have different types (Q4_K_M stores some
+attn_v in Q6_K beside a Q4_K attn_q) holds a StackedWeight: each piece its own packed
+weight, their outputs side by side. Pieces that repack to the same int4/int8 spec are
+concatenated into one QuantizedWeight instead (so SmolLM2's Q4_1 qkv stays one kernel
+call and the fused decoder stack can take it).
+
+Every packed weight answers `matmul(x, bias)` for any number of rows, `dequantize_rows`
+(an embedding lookup decodes only the rows it needs), `num_bytes` and `max_rows`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from engine.models.quant import (
+    GROUP_SIZE,
+    KERNEL_CALLS,
+    QuantizedWeight,
+    QuantSpec,
+    batch_invariant,
+    default_max_rows,
+)
+
+T = GGMLQuantizationType
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                        113], dtype=np.int8)
+REPACKED_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.IQ4_NL)
+
+
+def _kernels():
+    from kernels.cpu_kernels import cpu_kernels
+
+    return cpu_kernels()
+
+
+class GGUFWeight:
+    """One weight [N, K] in a GGUF block format: `raw` uint8 [N, row_bytes], read in place."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int,
+                 max_rows: int | None = None):
+        self.raw = raw
+        self.ggml_type = ggml_type
+        self.out_features = raw.shape[0]
+        self.in_features = in_features
+        self.max_rows = default_max_rows() if max_rows is None else max_rows
+        self._kernel = _kernels()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.raw.numel()
+
+    def serves(self, num_rows: int) -> bool:
+        return num_rows <= self.max_rows or batch_invariant()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x if x.is_contiguous() else x.contiguous()
+        if self._kernel is None:
+            out = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
+        else:
+            few = self.serves(x.shape[0])
+            KERNEL_CALLS[self.ggml_type.name if few else "tiled"] += 1
+            out = self._kernel.gguf_linear(x, self.raw, int(self.ggml_type),
+                                           x.shape[0] if few else self.max_rows)
+        return out if bias is None else out + bias
+
+    def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        raw = self.raw if ids is None else self.raw[ids]
+        if self._kernel is not None:
+            return self._kernel.gguf_dequantize(raw.contiguous(), int(self.ggml_type),
+                                                self.in_features)
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(raw.numpy(), self.ggml_type).astype(np.float32))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.dequantize_rows(None)
+
+
+class StackedWeight:
+    """Packed weights stacked along the output dim: [parts[0] rows | parts[1] rows | ...]."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.max_rows = min(p.max_rows for p in parts)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.parts)
+
+    def serves(self, num_rows: int) -> bool:
+        return all(p.serves(num_rows) for p in self.parts)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.cat([p.matmul(x, None) for p in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError("a stacked weight is never an embedding table")
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
+def repack_spec(ggml_type: GGMLQuantizationType) -> QuantSpec | None:
+    """The int4/int8 spec a 32-block type repacks into exactly, or None (kept as GGUF)."""
+    if ggml_type in (T.Q4_0,):
+        return QuantSpec("int4", symmetric=True)
+    if ggml_type in (T.Q4_1,):
+        return QuantSpec("int4")
+    if ggml_type in (T.Q8_0, T.Q5_0, T.IQ4_NL):
+        return QuantSpec("int8")
+    return None
+
+
+def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | None = None
+           ) -> QuantizedWeight:
+    """A 32-block GGUF tensor (uint8 [N, K / 32 * block_bytes]) as an exact QuantizedWeight.
+
+    Example, one Q4_1 block [d, m, qs[16]]: scales = d, mins = m, and the packed bytes are
+    qs as they are (the low nibble of byte j is element j, the high nibble j + 16: the
+    int4 packing of engine.models.quant). Q4_0: mins = -8 d (exact in float16 below
+    2^12). Q5_0: q = (low nibble | fifth bit from qh) - 16 in int8, scale d.
+    """
+    spec = repack_spec(ggml_type)
+    n = raw.shape[0]
+    block_bytes = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q5_0: 22, T.IQ4_NL: 18}[ggml_type]
+    blocks = raw.reshape(n, -1, block_bytes)
+    groups = blocks.shape[1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
+    max_rows = default_max_rows() if max_rows is None else max_rows
+    if ggml_type in (T.Q4_0, T.Q4_1):
+        qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
+        if ggml_type == T.Q4_1:
+            mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, groups)
+        else:
+            mins = (d.astype(np.float32) * -8).astype(np.float16)
+        return QuantizedWeight(spec, torch.from_numpy(qs), torch.from_numpy(d.copy()),
+                               torch.from_numpy(mins.copy()), max_rows)
+    if ggml_type == T.Q8_0:
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, groups * GROUP_SIZE)
+    else:
+        qs = blocks[..., -16:]
+        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, groups, 32]
+        if ggml_type == T.IQ4_NL:
+            q = _IQ4_VALUES[nibbles]
+        else:
+            qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [n, groups, 1]
+            high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+            q = (nibbles | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+        q = np.ascontiguousarray(q.reshape(n, groups * GROUP_SIZE).astype(np.int8))
+    return QuantizedWeight(spec, torch.from_numpy(q), torch.from_numpy(d.copy()), None, max_rows)
+
+
+def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """QuantizedWeights of one spec stacked along the output dim, as one weight."""
+    if len(parts) == 1:
+        return parts[0]
+    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+    return QuantizedWeight(parts[0].spec, torch.cat([p.data for p in parts]),
+                           torch.cat([p.scales for p in parts]), mins, parts[0].max_rows)
