@@ -22,6 +22,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
+    batch_invariant: bool = False  # a row's result independent of its batch (engine.batch_invariant)
 
 
 # --kv-cache-dtype's choices: "auto" = the model's compute dtype.

@@ -96,6 +96,7 @@ class LLM:
         async_scheduling: bool = False,
         seed: int = 0,
         enforce_eager: bool = False,
+        batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
     ):
@@ -109,7 +110,8 @@ class LLM:
         config = EngineConfig(
             model_config=ModelConfig(model=resolved.path, dtype=dtype, quantization=quantization,
                                      max_model_len=max_model_len, seed=seed,
-                                     enforce_eager=enforce_eager),
+                                     enforce_eager=enforce_eager,
+                                     batch_invariant=batch_invariant),
             cache_config=CacheConfig(
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

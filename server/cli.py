@@ -176,11 +176,15 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "the CPU has native bf16 (avx512_bf16/AMX) and float32 elsewhere; on CUDA it follows "
          "the checkpoint.",
          choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    flag("--quantization", "Weight-only quantization of the linears, for small decode "
-         "batches on CPU: 'auto' serves a GGUF checkpoint in its own precision (Q4_0/Q4_1 as "
-         "int4, Q8_0 as int8) and other checkpoints dense; 'int8' or 'int4' quantize any "
-         "checkpoint at load (groups of 32 columns); 'none' keeps every linear dense.",
+    flag("--quantization", "Weight-only quantization of the linears on CPU: 'auto' serves a "
+         "GGUF file's tensors in their own formats, read in place (Q4_K, Q6_K, ... as stored; "
+         "Q4_0/Q4_1/Q8_0 as exact int4/int8), and other checkpoints dense; 'int8' or 'int4' "
+         "quantize any checkpoint at load (groups of 32 columns); 'none' keeps (or, for a GGUF "
+         "file, dequantizes) every linear dense.",
          choices=["auto", "none", "int8", "int4"], default="auto")
+    switch("--batch-invariant", "Make each request's tokens and logprobs independent of the "
+           "requests batched with it (quantized linears and attention take their per-row "
+           "kernels for every batch; see README for what it costs).", default=False)
     flag("--device", "Where the model runs.", choices=["auto", "cpu", "cuda"], default="auto")
     flag("--cpu-threads", "CPU compute threads of the engine. Default: one per CPU this "
          "process may use (its affinity, capped by a container's CPU quota).",
@@ -284,7 +288,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
             model=model_dir, served_model_name=served_model_name, dtype=args.dtype,
             quantization=args.quantization,
             max_model_len=args.max_model_len, seed=args.seed,
-            enforce_eager=args.enforce_eager),
+            enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant),
         cache_config=CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,

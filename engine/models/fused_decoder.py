@@ -23,11 +23,12 @@ from collections import Counter
 import torch
 from torch import nn
 
+from engine import batch_invariant
 from engine.attention.backends.torch_backend import KERNEL_DTYPES, TorchAttentionBackend
 from engine.attention.forward_context import get_forward_context
 from engine.distributed.parallel_state import get_tp_group
 from engine.models.layers import GatedMLP, Linear
-from engine.models.quant import KERNEL_CALLS, QuantizedWeight, batch_invariant
+from engine.models.quant import KERNEL_CALLS, QuantizedWeight
 from kernels.cpu_kernels import cpu_kernels
 
 STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
@@ -138,7 +139,7 @@ def _linear_weights(ops, linear: Linear):
     if quantized is not None:
         w.quant_bits = 4 if quantized.spec.method == "int4" else 8
         # Batch invariant: every batch on the few-row kernel (QuantizedWeight.serves).
-        w.quant_max_rows = 1 << 30 if batch_invariant() else quantized.max_rows
+        w.quant_max_rows = 1 << 30 if batch_invariant.enabled() else quantized.max_rows
         w.data, w.scales = quantized.data, quantized.scales
         if quantized.mins is not None:
             w.mins = quantized.mins

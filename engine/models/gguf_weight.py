@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from engine import batch_invariant
 from engine.models.quant import (
     GROUP_SIZE,
     KERNEL_CALLS,
     QuantizedWeight,
     QuantSpec,
-    batch_invariant,
     default_max_rows,
 )
 
@@ -65,7 +65,7 @@ class GGUFWeight:
         return self.raw.numel()
 
     def serves(self, num_rows: int) -> bool:
-        return num_rows <= self.max_rows or batch_invariant()
+        return num_rows <= self.max_rows or batch_invariant.enabled()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x if x.is_contiguous() else x.contiguous()

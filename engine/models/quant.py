@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from engine import cpu_info
+from engine import batch_invariant, cpu_info
 
 QuantMethod = Literal["int8", "int4"]
 GROUP_SIZE = 32
@@ -40,18 +40,6 @@ GROUP_SIZE = 32
 # Calls of each quantized kernel since start-up: tests check the kernel really ran.
 # "int4"/"int8": the few-row kernels; "tiled": a many-row call decoding tiles.
 KERNEL_CALLS: Counter[str] = Counter()
-# Batch invariance (`--batch-invariant`): every batch takes the few-row kernels, whose
-# result for a row does not depend on the other rows. Set once at start-up.
-_BATCH_INVARIANT = False
-
-
-def set_batch_invariant(enabled: bool) -> None:
-    global _BATCH_INVARIANT
-    _BATCH_INVARIANT = bool(enabled)
-
-
-def batch_invariant() -> bool:
-    return _BATCH_INVARIANT
 
 
 def default_max_rows() -> int:
@@ -104,7 +92,7 @@ class QuantizedWeight:
 
     def serves(self, num_rows: int) -> bool:
         """Whether a batch of `num_rows` takes the few-row integer kernel."""
-        return self._kernel is not None and (num_rows <= self.max_rows or _BATCH_INVARIANT)
+        return self._kernel is not None and (num_rows <= self.max_rows or batch_invariant.enabled())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ w.T + bias, [M, N] in x's dtype."""

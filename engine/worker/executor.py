@@ -102,6 +102,9 @@ class Worker:
             from kernels.cpu_kernels import cpu_kernels
 
             cpu_kernels()  # build (once per CPU) or load them now, not on the first request
+        from engine import batch_invariant
+
+        batch_invariant.set_enabled(config.model_config.batch_invariant)
         model = load_model(model_dir, dtype, device, config.model_config.quantization)
         self.max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
         self.vocab_size = hf_config.vocab_size

@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int8 groups of 32 (float16 scales).");
+  m.def("set_batch_invariant", &set_batch_invariant,
+        "int4/int8: every batch size takes the same per-row arithmetic (--batch-invariant).");
   m.def("gguf_dequantize", &gguf_dequantize, py::call_guard<py::gil_scoped_release>(),
         "GGUF block-format rows [N, row_bytes] (uint8) -> float32 [N, K].");
   m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(),

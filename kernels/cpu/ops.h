@@ -15,6 +15,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 // quant_linear.cpp
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
+void set_batch_invariant(bool enabled);
 // gguf_linear.cpp
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols);
 at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows);

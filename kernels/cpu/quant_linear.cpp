@@ -42,6 +42,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -355,6 +356,8 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out
 // with more than 2 rows they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs
 // 16.0 ms; 2 rows 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
 constexpr int64_t kPairsMaxRows = 1;
+// --batch-invariant: every row takes dot_rows (the same arithmetic whatever the batch).
+std::atomic<bool> g_batch_invariant{false};
 constexpr int64_t kTileOut = 16;  // output rows per pass over one 8-row block (see below)
 
 template <bool kInt4>
@@ -362,8 +365,9 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
                         const uint16_t* scales, const uint16_t* mins, int64_t num_out) {
   const int64_t rows = x.size(0), cols = x.size(1), groups = cols / kGroup;
 #if defined(__AVX2__) && defined(__F16C__)
-  const bool pairs = kInt4 && rows <= kPairsMaxRows;
-  const bool blocks_of_8 = !pairs && rows >= 8;
+  const bool invariant = g_batch_invariant.load(std::memory_order_relaxed);
+  const bool pairs = !invariant && kInt4 && rows <= kPairsMaxRows;
+  const bool blocks_of_8 = !invariant && !pairs && rows >= 8;
 #else
   const bool pairs = false, blocks_of_8 = false;
 #endif
@@ -415,6 +419,8 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
 }
 
 }  // namespace
+
+void set_batch_invariant(bool enabled) { g_batch_invariant.store(enabled); }
 
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                           at::Tensor mins) {

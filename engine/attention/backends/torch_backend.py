@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import batch_invariant
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
@@ -148,7 +149,8 @@ class KernelRows:
     @staticmethod
     def plan(metadata: AttentionMetadata) -> KernelRows:
         query_lens = metadata.query_lens_np
-        takes = query_lens <= KERNEL_MAX_CHUNK
+        # Batch invariant: every row here, however long its chunk (engine.batch_invariant).
+        takes = query_lens <= (np.inf if batch_invariant.enabled() else KERNEL_MAX_CHUNK)
         qsl = metadata.query_start_loc_np
         reqs = np.flatnonzero(takes)
         lens = query_lens[reqs]

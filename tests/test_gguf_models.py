@@ -1,0 +1,178 @@
+"""GGUF files as users get them (llama.cpp's converter + llama-quantize: tests/data/gguf),
+served in place: greedy parity with transformers (which loads and dequantizes the same
+file) under the near-tie rule, with prefix hits, chunked prefill and preemption at once;
+the weights kept packed in their own formats (no dense copy); batch invariance; and the
+one-line start-up errors for files we cannot serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.cpu_kernels
+from engine import LLM, SamplingParams
+from engine.model_loader import ModelSourceError, load_model, resolve_model
+from engine.models.gguf_weight import GGUFWeight, StackedWeight
+from engine.models.quant import KERNEL_CALLS, QuantizedWeight
+from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+
+FIXTURES = Path(__file__).parent / "data" / "gguf"
+needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
+                                   reason="no C++ compiler/ninja to build the CPU kernels")
+ALL_FILES = sorted(p.name for p in FIXTURES.glob("*.gguf"))
+# A shared 40-token prefix (prefix-cache hits across requests), prompts longer than the
+# 16-token chunks the engine is given, and a short one.
+PREFIX = [(7 * i + 3) % 380 + 10 for i in range(40)]
+PROMPTS = [PREFIX + [11, 12, 13], PREFIX + [200, 201], PREFIX[:20] + [99] * 15, [5, 6, 7],
+           [(11 * i) % 370 + 20 for i in range(33)]]
+MAX_TOKENS = 10
+NEAR_TIE_LOGPROB_GAP = 0.2
+
+
+def stressed_llm(path: Path, **kwargs) -> LLM:
+    """Chunks of 16 tokens, room for only ~2 requests' blocks (preemption), prefix caching."""
+    return LLM(str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+               block_size=16, num_gpu_blocks_override=9, enable_prefix_caching=True, **kwargs)
+
+
+def greedy(llm: LLM, prompts, logprobs: int | None = None):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=logprobs)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ALL_FILES)
+def test_gguf_file_matches_transformers_under_prefix_hits_chunks_and_preemption(name):
+    llm = stressed_llm(FIXTURES / name)
+    got = [o.outputs[0].token_ids for o in greedy(llm, PROMPTS)]
+    reference = hf_greedy_reference(llm.model_dir, PROMPTS, MAX_TOKENS, ignore_eos=True)
+    assert assert_greedy_matches(got, reference, max_gap=NEAR_TIE_LOGPROB_GAP) <= 1
+
+
+@needs_kernels
+def test_q4_k_m_tensors_stay_in_their_own_formats(tmp_path):
+    cache = tmp_path / "cache"
+    resolved = resolve_model(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), cache_dir=cache)
+    model = load_model(resolved.path, torch.float32, "cpu", "auto")
+    report = model.gguf_report
+    assert dict(report.packed_types) == {"Q4_K": 13, "Q6_K": 3}
+    assert not report.repacked_types
+    layer = model.model.layers[0]
+    # Q4_K_M keeps attn_v and ffn_down of some layers in Q6_K: a stacked qkv then.
+    packed = [layer.self_attn.qkv_proj.quantized, layer.self_attn.o_proj.quantized,
+              layer.mlp.gate_up_proj.quantized, layer.mlp.down_proj.quantized,
+              model.lm_head.quantized, model.model.embed_tokens.packed]
+    assert all(isinstance(p, (GGUFWeight, StackedWeight)) for p in packed)
+    # no dense weight anywhere but the norms: parameters hold a few KB
+    dense_elements = sum(p.numel() for p in model.parameters())
+    assert dense_elements == 2 * 2 * 256 + 256  # two norms per layer, the final norm
+    # every tensor of the file is accounted for, bytes for bytes
+    file_bytes = (FIXTURES / "tiny-llama-Q4_K_M.gguf").stat().st_size
+    assert 0.9 * file_bytes < report.packed_bytes <= file_bytes
+    # the cache holds no weights
+    assert sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) < 0.1 * file_bytes
+
+
+@needs_kernels
+def test_fallback_types_of_a_q4_k_m_file_are_repacked_exactly():
+    """Rows of 320 are no K-quant: llama-quantize wrote ffn_down as Q5_0/Q8_0 there."""
+    resolved = resolve_model(str(FIXTURES / "tiny-llama-i320-Q4_K_M.gguf"))
+    model = load_model(resolved.path, torch.float32, "cpu", "auto")
+    assert dict(model.gguf_report.repacked_types) == {"Q5_0": 1, "Q8_0": 1}
+    downs = [layer.mlp.down_proj.quantized for layer in model.model.layers]
+    assert all(isinstance(d, QuantizedWeight) and d.spec.method == "int8" for d in downs)
+    dense = load_model(resolved.path, torch.float32, "cpu", "none")
+    for ours, reference in zip(downs, dense.model.layers, strict=True):
+        torch.testing.assert_close(ours.dequantized(), reference.mlp.down_proj.weight,
+                                   atol=0, rtol=0)
+
+
+@needs_kernels
+def test_batch_invariance_same_tokens_and_logprobs_alone_or_beside_31_others():
+    llm = LLM(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), dtype="float32", max_model_len=128,
+              max_num_batched_tokens=64, batch_invariant=True)
+    others = [[(13 * i + j) % 390 + 5 for j in range(5 + i % 40)] for i in range(31)]
+    alone = [greedy(llm, [p], logprobs=2)[0].outputs[0] for p in PROMPTS[:2]]
+    before = KERNEL_CALLS["tiled"]
+    together = greedy(llm, PROMPTS[:1] + others + PROMPTS[1:2], logprobs=2)
+    assert KERNEL_CALLS["tiled"] == before  # every batch on the per-row kernels
+    for single, batched in zip(alone, [together[0].outputs[0], together[-1].outputs[0]],
+                               strict=True):
+        assert single.token_ids == batched.token_ids
+        assert single.logprobs.token_ids == batched.logprobs.token_ids
+        assert single.logprobs.logprobs == batched.logprobs.logprobs  # bitwise: == on floats
+
+
+def test_unservable_files_are_one_line_errors(tmp_path):
+    source = FIXTURES / "tiny-llama-Q4_K_M.gguf"
+    data = source.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:100])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf at all" * 10)
+    for path, words in ((truncated, "truncated"), (header_only, "truncated or corrupt"),
+                        (garbage, "not a GGUF file")):
+        with pytest.raises(ModelSourceError) as excinfo:
+            resolve_model(str(path), cache_dir=tmp_path / "cache")
+        message = str(excinfo.value)
+        assert words in message and "\n" not in message, message
+
+
+def test_a_type_we_lack_and_a_shape_against_the_metadata_are_one_line_errors(tmp_path):
+    import gguf
+    import numpy as np
+
+    from engine.model_loader.gguf_file import GGUFFile
+
+    source = GGUFFile(FIXTURES / "tiny-llama-Q8_0.gguf")
+    for case in ("type", "shape"):
+        path = tmp_path / f"{case}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        for key, value in source.metadata.items():
+            if key.startswith("llama.") or key == "general.name":
+                _add_metadata(writer, key, value)
+        for name, info in source.tensors.items():
+            raw = source.raw(name)
+            if len(info.shape) == 1:
+                raw = raw.reshape(-1)
+            shape = list(info.shape)
+            ggml_type = info.ggml_type
+            if name == "blk.0.attn_q.weight" and case == "type":
+                ggml_type = gguf.GGMLQuantizationType.IQ2_XXS  # 66 bytes per 256 weights
+                raw = np.zeros((shape[0], shape[1] // 256 * 66), dtype=np.uint8)
+            if name == "blk.1.ffn_up.weight" and case == "shape":
+                raw, shape = raw[:-32], [shape[0] - 32, shape[1]]
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelSourceError) as excinfo:
+            resolve_model(str(path), cache_dir=tmp_path / "cache")
+        message = str(excinfo.value)
+        assert "\n" not in message
+        if case == "type":
+            assert "'blk.0.attn_q.weight'" in message and "IQ2_XXS" in message, message
+        else:
+            assert "'blk.1.ffn_up.weight'" in message and "[480, 256]" in message, message
+
+
+def _add_metadata(writer, key, value) -> None:
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+
+
+def test_fixtures_exist():
+    """The files the tests above read are in the repository (not built at test time)."""
+    assert len(ALL_FILES) >= 12
