@@ -77,6 +77,32 @@ class LevelResult:
     hog: bool = False  # run beside a one-core busy loop (--hog)
 
 
+@dataclass
+class ServerFootprint:
+    """Memory and prefill of one server: RSS of its whole process group (MiB), right
+    after it answers and after the widest level's burst; `--prefill-len` TTFT (ms)."""
+
+    rss_after_load_mib: float | None = None
+    rss_after_burst_mib: float | None = None
+    prefill_ms: float | None = None
+
+
+def group_rss_mib(pgid: int) -> float:
+    """The summed resident set of every process in the group (frontend, engine core, ...)."""
+    total_kib = 0
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields after the name: state ppid pgrp ...
+                continue
+            for line in status.with_name("status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kib += int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return total_kib / 1024
+
+
 def transformers_bin() -> str:
     return shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
 
@@ -117,10 +143,15 @@ def server_command(args: argparse.Namespace, name: str, model_dir: str, gguf: Pa
                 "--kv-cache-memory-bytes", str(VLLM_KV_CACHE_BYTES), *args.vllm_args]
     if name == "llamacpp":
         # One slot per client at the widest level, each with room for a whole request.
+        # With --prefill-len the slots share one KV buffer (--kv-unified), so that the long
+        # prompt fits one slot without sizing every slot for it.
         slots = max(args.concurrency)
         context = slots * (args.input_len + args.output_len + LLAMACPP_SLOT_MARGIN)
+        unified = ["--kv-unified"] if args.prefill_len else []
+        context = max(context, args.prefill_len + LLAMACPP_SLOT_MARGIN)
         return [str(args.llama_server_bin), "--model", str(gguf), *loopback,
-                "--parallel", str(slots), "--ctx-size", str(context), *args.llamacpp_args]
+                "--parallel", str(slots), "--ctx-size", str(context), *unified,
+                *args.llamacpp_args]
     return [transformers_bin(), "serve", model_dir, "--continuous-batching",
             "--dtype", args.dtype, "--device", "cpu", *loopback, *args.transformers_args]
 
@@ -242,8 +273,9 @@ def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: st
 
 
 def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path | None,
-               results: list[LevelResult]) -> None:
-    """Start `name`, run every level into `results` (kept if a later level fails), stop it."""
+               results: list[LevelResult], footprint: ServerFootprint) -> None:
+    """Start `name`, run every level into `results` (kept if a later level fails), measure
+    its `footprint`, stop it."""
     port = args.port
     base_url = f"http://127.0.0.1:{port}"
     command = server_command(args, name, model_dir, gguf, port)
@@ -256,6 +288,8 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
                                    start_new_session=True)
         try:
             wait_until_ready(base_url, process, args.startup_timeout)
+            time.sleep(2.0)  # let the RSS settle after the first answer
+            footprint.rss_after_load_mib = group_rss_mib(process.pid)
             # Warm-up at the highest level's width: lets a server build whatever it
             # builds lazily (transformers sets continuous batching up on first use).
             widest = max(args.concurrency)
@@ -278,8 +312,25 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
                     metrics = json.load(f)["metrics"]
                 check_output_tokens(name, metrics, args.output_len)
                 results.append(LevelResult(name, concurrency, metrics, hog))
+                footprint.rss_after_burst_mib = max(footprint.rss_after_burst_mib or 0.0,
+                                                    group_rss_mib(process.pid))
+            if args.prefill_len:
+                footprint.prefill_ms = prefill_ms(args, name, base_url, model_dir)
         finally:
             stop(process)
+
+
+def prefill_ms(args: argparse.Namespace, name: str, base_url: str, model_dir: str) -> float:
+    """Time to first token of one `--prefill-len`-token prompt (median of 2, one at a time)."""
+    result_file = str(Path(args.result_dir) / f"{name}-prefill.json")
+    argv = bench_args(args, name, base_url, model_dir, 1, result_file, num_prompts=2,
+                      num_warmups=0)
+    argv[argv.index("--random-input-len") + 1] = str(args.prefill_len)
+    argv[argv.index("--random-output-len") + 1] = "1"
+    if bench_serve.main(argv) != 0:
+        raise RuntimeError(f"{name}: the prefill run failed")
+    with open(result_file) as f:
+        return json.load(f)["metrics"]["ttft_ms"]["median"]
 
 
 @contextlib.contextmanager
@@ -340,7 +391,8 @@ def commit() -> str:
 
 
 def markdown_table(args: argparse.Namespace, results: list[LevelResult],
-                   precisions: dict[str, str], failures: dict[str, str]) -> str:
+                   precisions: dict[str, str], failures: dict[str, str],
+                   footprints: dict[str, ServerFootprint] | None = None) -> str:
     def ms(stats: dict, key: str = "median") -> str:
         value = stats.get(key)
         return "—" if value is None else f"{value:,.0f}"
@@ -377,6 +429,15 @@ def markdown_table(args: argparse.Namespace, results: list[LevelResult],
         if ratios:
             lines.append(f"\n{concurrency} clients, pagedserve's output tok/s over: "
                          + ", ".join(ratios))
+    if footprints:
+        lines += ["", f"| server | RSS after load (MiB) | RSS after the {max(args.concurrency)}-"
+                  f"client burst (MiB) | {args.prefill_len or '—'}-token prompt, TTFT (ms) |",
+                  "|---|---|---|---|"]
+        for name, f in footprints.items():
+            def cell(value):
+                return "—" if value is None else f"{value:,.0f}"
+            lines.append(f"| {LABELS[name]} | {cell(f.rss_after_load_mib)} | "
+                         f"{cell(f.rss_after_burst_mib)} | {cell(f.prefill_ms)} |")
     for name, reason in failures.items():
         lines.append(f"\n{LABELS[name]}: failed: {reason}")
     return "\n".join(lines)
@@ -393,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-len", type=int, default=0,
+                        help="also time one prompt of this many tokens (TTFT), one at a time")
     parser.add_argument("--hog", action="store_true",
                         help="run every level again beside a one-core busy loop")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=None,
@@ -429,14 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     results: list[LevelResult] = []
     failures: dict[str, str] = {}
+    footprints = {name: ServerFootprint() for name in servers}
     for name in servers:
         try:
-            run_server(args, name, model_dir, gguf, results)
+            run_server(args, name, model_dir, gguf, results, footprints[name])
         except RuntimeError as exc:
             failures[name] = f"{exc} (log: {Path(args.result_dir) / f'{name}-server.log'})"
             print(f"[{name}] FAILED: {failures[name]}", flush=True)
     precisions = {name: precision(args, name, gguf) for name in servers}
-    table = markdown_table(args, results, precisions, failures)
+    table = markdown_table(args, results, precisions, failures, footprints)
     print("\n" + table)
     (Path(args.result_dir) / "table.md").write_text(table + "\n")
     return 1 if failures else 0

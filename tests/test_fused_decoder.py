@@ -8,6 +8,8 @@ Parity with `transformers` is test_correctness's, which runs the stack by defaul
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 def generate(model_dir, monkeypatch, fused: bool, **engine_kwargs):
     monkeypatch.setenv("PAGEDSERVE_FUSED_DECODER", "1" if fused else "0")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 500, size=n).tolist() for n in PROMPT_LENS]
+    prompts = [rng.integers(3, 400, size=n).tolist() for n in PROMPT_LENS]
     prompts.append(prompts[1][:150] + [7, 8, 9])  # a prefix-cache hit on the chunked one
     llm = LLM(str(model_dir), max_num_batched_tokens=96, kv_cache_memory="4MB", **engine_kwargs)
     before, int4_calls = dict(STEPS_RUN), KERNEL_CALLS["int4"]
@@ -70,3 +72,20 @@ def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
     model_dir = build_tiny_checkpoint(tmp_path, "qwen3_moe", max_position_embeddings=512)
     _, _, steps = generate(model_dir, monkeypatch, True)  # experts, not a GatedMLP
     assert steps["fused"] == 0 and steps["modules"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-Q4_K_M.gguf", "tiny-qwen3-Q4_K_M.gguf",
+                                  "tiny-llama-i320-Q4_K_M.gguf"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_stack_serves_gguf_blocks_as_the_modules_do(monkeypatch, name, dtype):
+    """GGUF K-quant weights (and a stacked qkv of Q4_K + Q6_K pieces, and Q5_0/Q8_0
+    repacks) in the stack: the modules' tokens and logprobs, bit for bit."""
+    path = Path(__file__).parent / "data" / "gguf" / name
+    before = KERNEL_CALLS["Q4_K"]
+    tokens, logprobs, steps = generate(path, monkeypatch, True, dtype=dtype)
+    fused_q4k = KERNEL_CALLS["Q4_K"] - before
+    ref_tokens, ref_logprobs, ref_steps = generate(path, monkeypatch, False, dtype=dtype)
+    assert tokens == ref_tokens
+    assert logprobs == ref_logprobs
+    assert steps["fused"] >= PARAMS.max_tokens - 1 and ref_steps["fused"] == 0
+    assert fused_q4k == KERNEL_CALLS["Q4_K"] - before - fused_q4k > 0

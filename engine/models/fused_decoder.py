@@ -27,8 +27,9 @@ from engine import batch_invariant
 from engine.attention.backends.torch_backend import KERNEL_DTYPES, TorchAttentionBackend
 from engine.attention.forward_context import get_forward_context
 from engine.distributed.parallel_state import get_tp_group
+from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.layers import GatedMLP, Linear
-from engine.models.quant import KERNEL_CALLS, QuantizedWeight
+from engine.models.quant import KERNEL_CALLS
 from kernels.cpu_kernels import cpu_kernels
 
 STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
@@ -47,7 +48,7 @@ class FusedDecoderStack:
         self._kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
         self._head_size = layers[0].self_attn.head_size
         self._dtype = layers[0].input_layernorm.weight.dtype
-        self._quantized = quantized  # (bits, max_rows) of every quantized linear
+        self._quantized = quantized  # (kernel name, max_rows) of every packed weight
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedDecoderStack | None:
@@ -76,10 +77,9 @@ class FusedDecoderStack:
             if attn.q_norm is not None:
                 w.q_norm, w.k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            w.qkv, w.o, w.gate_up, w.down = (_linear_weights(ops, lin) for lin in linears)
+            w.qkv, w.o, w.gate_up, w.down = (_linear_weights(ops, lin, quantized)
+                                             for lin in linears)
             weights.append(w)
-            quantized += [(lw.quant_bits, lw.quant_max_rows)
-                          for lw in (w.qkv, w.o, w.gate_up, w.down) if lw.quant_bits]
         return cls(ops.DecoderStack(weights, shape), layers, quantized)
 
     def run(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -106,8 +106,8 @@ class FusedDecoderStack:
                                    metadata.block_table, rows.row_tables, rows.seq_lens)
 
     def _count_kernel_calls(self, num_rows: int) -> None:
-        for bits, max_rows in self._quantized:
-            KERNEL_CALLS[f"int{bits}" if num_rows <= max_rows else "tiled"] += 1
+        for kernel, max_rows in self._quantized:
+            KERNEL_CALLS[kernel if num_rows <= max_rows else "tiled"] += 1
 
 
 def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
@@ -122,25 +122,35 @@ def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
     if (layer.post_attention_layernorm.eps != eps
             or (attn.q_norm is not None and not attn.q_norm.eps == attn.k_norm.eps == eps)):
         return False
-    linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if any(lin.quantized is not None and not isinstance(lin.quantized, QuantizedWeight)
-           for lin in linears):
-        return False  # GGUF block formats run through the modules
     return all(param.dtype == dtype and param.device.type == "cpu"
                for param in layer.parameters())
 
 
-def _linear_weights(ops, linear: Linear):
-    w = ops.LinearWeights()
+def _linear_weights(ops, linear: Linear, counted: list[tuple[str, int]]):
+    """The C++ view of `linear` (its tensors shared, not copied); appends (kernel name,
+    max_rows) of each packed weight to `counted`."""
+    w = _packed_weights(ops, linear.quantized, counted) if linear.quantized is not None \
+        else ops.LinearWeights()
     w.dense = linear.weight.data
     if linear.bias is not None:
         w.bias = linear.bias.data
-    quantized = linear.quantized
-    if quantized is not None:
-        w.quant_bits = 4 if quantized.spec.method == "int4" else 8
-        # Batch invariant: every batch on the few-row kernel (QuantizedWeight.serves).
-        w.quant_max_rows = 1 << 30 if batch_invariant.enabled() else quantized.max_rows
-        w.data, w.scales = quantized.data, quantized.scales
-        if quantized.mins is not None:
-            w.mins = quantized.mins
+    return w
+
+
+def _packed_weights(ops, packed, counted: list[tuple[str, int]]):
+    w = ops.LinearWeights()
+    if isinstance(packed, StackedWeight):
+        w.parts = [_packed_weights(ops, part, counted) for part in packed.parts]
+        return w
+    # Batch invariant: every batch on the few-row kernel (as packed.serves says).
+    w.quant_max_rows = 1 << 30 if batch_invariant.enabled() else packed.max_rows
+    if isinstance(packed, GGUFWeight):
+        w.gguf_type, w.data = int(packed.ggml_type), packed.raw
+        counted.append((packed.ggml_type.name, w.quant_max_rows))
+        return w
+    w.quant_bits = 4 if packed.spec.method == "int4" else 8
+    w.data, w.scales = packed.data, packed.scales
+    if packed.mins is not None:
+        w.mins = packed.mins
+    counted.append((packed.spec.method, w.quant_max_rows))
     return w

@@ -39,7 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scales", &LinearWeights::scales)
       .def_readwrite("mins", &LinearWeights::mins)
       .def_readwrite("quant_bits", &LinearWeights::quant_bits)
-      .def_readwrite("quant_max_rows", &LinearWeights::quant_max_rows);
+      .def_readwrite("quant_max_rows", &LinearWeights::quant_max_rows)
+      .def_readwrite("gguf_type", &LinearWeights::gguf_type)
+      .def_readwrite("parts", &LinearWeights::parts);
   py::class_<LayerWeights>(m, "LayerWeights")
       .def(py::init<>())
       .def_readwrite("input_norm", &LayerWeights::input_norm)

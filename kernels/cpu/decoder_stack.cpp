@@ -16,6 +16,7 @@
 #include "ops.h"
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
@@ -23,25 +24,31 @@
 
 namespace {
 
-// Linear._matmul: the few-row quantized kernel for batches it serves (float32 in and out,
-// so bfloat16/float16 activations are widened first and the result rounded back), the
-// tiled path (decoded weight tiles in x's dtype) for larger ones, else the dense weight.
+// Linear._matmul: a packed weight's few-row kernel for batches it serves (int4/int8 take
+// float32, so bfloat16/float16 activations are widened first and the result rounded
+// back; gguf_linear does that itself), decoded tiles for larger ones, else the dense
+// weight; a stacked weight is its parts side by side.
 at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
-  if (w.quant_bits != 0) {
-    at::Tensor out;
-    if (x.size(0) <= w.quant_max_rows) {
-      const at::Tensor x32 = x.to(at::kFloat).contiguous();
-      out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
-                              : int8_linear(x32, w.data, w.scales);
-      out = out.to(x.scalar_type());
-    } else {
-      out = quant_tiled_linear(x.contiguous(), w.data, w.scales,
-                               w.quant_bits == 4 ? w.mins : at::Tensor(), w.quant_bits);
-    }
-    return w.bias.defined() ? at::add(out, w.bias) : out;
+  at::Tensor out;
+  if (!w.parts.empty()) {
+    std::vector<at::Tensor> outs;
+    for (const LinearWeights& part : w.parts) outs.push_back(linear(part, x));
+    out = at::cat(outs, 1);
+  } else if (w.gguf_type >= 0) {
+    out = gguf_linear(x.contiguous(), w.data, w.gguf_type, w.quant_max_rows);
+  } else if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
+    const at::Tensor x32 = x.to(at::kFloat).contiguous();
+    out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
+                            : int8_linear(x32, w.data, w.scales);
+    out = out.to(x.scalar_type());
+  } else if (w.quant_bits != 0) {
+    out = quant_tiled_linear(x.contiguous(), w.data, w.scales,
+                             w.quant_bits == 4 ? w.mins : at::Tensor(), w.quant_bits);
+  } else {
+    return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
+                                                   : c10::optional<at::Tensor>());
   }
-  return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
-                                                 : c10::optional<at::Tensor>());
+  return w.bias.defined() ? at::add(out, w.bias) : out;
 }
 
 // RMSNorm over each head's D values, in the torch ops of RMSNorm.forward_torch (which

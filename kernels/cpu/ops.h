@@ -31,14 +31,18 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
 
 // decoder_stack.cpp: a dense Llama-family decoder's layers in one call.
 
-// One linear as engine.models.layers.Linear holds it. `dense` is the float weight
-// [N, K] (used for batches the quantized kernel does not take); `quant_bits` 4 or 8
-// with `data`/`scales`/`mins` as QuantizedWeight holds them, 0 for none; `bias`
-// undefined when the linear has none.
+// One linear as engine.models.layers.Linear holds it. `dense` is the float weight [N, K]
+// of an unquantized linear; `quant_bits` 4 or 8 with `data`/`scales`/`mins` as
+// QuantizedWeight holds them; or `gguf_type` (a GGML type id, -1 for none) with `data`
+// the GGUF rows as GGUFWeight holds them; quantized weights take their few-row kernel up
+// to `quant_max_rows` rows and decoded tiles above. A StackedWeight is `parts`, each its
+// own format, whose outputs sit side by side. `bias` undefined when the linear has none.
 struct LinearWeights {
   at::Tensor dense, bias, data, scales, mins;
   int64_t quant_bits = 0;
   int64_t quant_max_rows = 0;
+  int64_t gguf_type = -1;
+  std::vector<LinearWeights> parts;
 };
 
 // One DecoderLayer: the two RMSNorm weights, the per-head q/k RMSNorm weights (Qwen3;
