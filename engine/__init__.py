@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 def __getattr__(name: str):
     # The offline API pulls in torch and transformers: import it only when asked for.
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
-        from engine import llm
+        from engine.frontend import llm
 
         return getattr(llm, name)
     raise AttributeError(name)

@@ -328,7 +328,7 @@ def _served_name(source, model_dir: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine.core_client import EngineStartupError
+    from engine.frontend.core_client import EngineStartupError
     from engine.model_loader.source import ModelSourceError, resolve_model
     from server.api_server import APIServer, ServeOptions
     from server.xray import XrayOptions
@@ -351,7 +351,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.node_rank > 0:  # a node of worker ranks only: no HTTP server, no engine core
-        from engine.distributed.launcher import run_worker_node
+        from engine.executor.launcher import run_worker_node
 
         try:
             return run_worker_node(config, args.log_level)

@@ -61,10 +61,10 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from engine.async_engine import EngineRequestError
 from engine.config import CacheConfig
-from engine.core_client import EngineDeadError
-from engine.input_checks import PromptError
+from engine.frontend.async_engine import EngineRequestError
+from engine.frontend.core_client import EngineDeadError
+from engine.frontend.processor import PromptError
 from engine.outputs import SchedulerStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParamsError
@@ -244,7 +244,7 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- start-up
     def set_cache_config(self, cache_config: CacheConfig, kv_cache_info) -> None:
-        """Publish `pagedserve:cache_config_info` (kv_cache_info: engine.core.KVCacheInfo)."""
+        """Publish `pagedserve:cache_config_info` (kv_cache_info: engine.outputs.KVCacheInfo)."""
 
         def text(value) -> str:
             if value is None:

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.input_checks import check_prompt
+from engine.frontend.processor import check_prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams

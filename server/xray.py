@@ -4,7 +4,7 @@
                                     younger than its interval?  the cached JSON bytes
                                     else one refresh, shared by every waiting viewer:
                                       XrayCall ─▶ engine core (between two steps)
-                                      ─▶ XraySnapshot (engine/xray.py) ─▶ JSON, cached
+                                      ─▶ XraySnapshot (engine/xray_schema.py) ─▶ JSON, cached
 
 However many viewers poll, the core builds at most one snapshot per interval: at least
 `min_interval_s`, and long enough that building snapshots takes at most `max_core_share`
@@ -33,11 +33,11 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 from server.errors import APIError, from_exception
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.frontend.async_engine import AsyncEngine
     from server.state import ServerState
 
 PAGE_RESOURCE = "static/xray.html"

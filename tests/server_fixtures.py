@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core import KVCacheInfo
-from engine.outputs import Logprobs, ModelRunnerOutput
+from engine.outputs import KVCacheInfo, Logprobs, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
 from server.lifecycle import ServerLimits
@@ -253,7 +252,7 @@ def build_fake_server(
     from transformers import AutoTokenizer
 
     from engine.config import ModelConfig, SchedulerConfig
-    from engine.core_proc import ExecutorSpec
+    from engine.executor.abstract import ExecutorSpec
     from server.api_server import APIServer, ServeOptions
 
     vocab_size = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))

@@ -33,7 +33,7 @@ import httpx
 import openai
 import pytest
 
-from engine.core_proc import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc, ToFrontend
+from engine.core.core_proc import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc, ToFrontend
 from engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -444,8 +444,8 @@ def test_sigterm_stops_every_process(servers):
 def test_health_of_a_frontend_without_requests_while_the_shared_core_is_in_a_long_step():
     """No answer to a ping, no request of its own, a step heard of 5 s ago: a frontend
     that shares the core counts it busy (another frontend's long step); a sole one stuck."""
-    from engine.async_engine import AsyncEngine, EngineUnresponsiveError
-    from engine.core import KVCacheInfo
+    from engine.frontend.async_engine import AsyncEngine, EngineUnresponsiveError
+    from engine.outputs import KVCacheInfo
 
     class Client:
         kv_cache_info = KVCacheInfo(num_blocks=8, block_size=16, max_model_len=64,

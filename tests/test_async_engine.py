@@ -14,14 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineRequestError, derive_seed
 from engine.config import EngineConfig, ModelConfig
-from engine.core import KVCacheInfo
-from engine.core_client import EngineDeadError, EngineStartupError, InprocClient, SyncMPClient
-from engine.core_proc import ExecutorSpec
-from engine.input_checks import PromptError
+from engine.executor.abstract import ExecutorSpec
+from engine.frontend.async_engine import AsyncEngine, EngineRequestError, derive_seed
+from engine.frontend.core_client import (
+    EngineDeadError,
+    EngineStartupError,
+    InprocClient,
+    SyncMPClient,
+)
+from engine.frontend.processor import PromptError
 from engine.ipc import AbortRequests, AddRequest, Outputs, Ready, core_codec, frontend_codec
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
+from engine.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    KVCacheInfo,
+    Logprobs,
+    SchedulerStats,
+)
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 from tests.server_fixtures import FakeExecutor, build_tokenizer_dir
@@ -351,8 +361,8 @@ def test_core_exits_when_frontend_dies(tokenizer_dir, tmp_path):
         import asyncio, sys, time
         sys.path[:0] = {sys.path!r}
         from engine.config import EngineConfig, ModelConfig
-        from engine.core_client import AsyncMPClient
-        from engine.core_proc import ExecutorSpec
+        from engine.frontend.core_client import AsyncMPClient
+        from engine.executor.abstract import ExecutorSpec
 
         async def main():
             client = await AsyncMPClient.start(

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from engine.frontend.detokenizer import IncrementalDetokenizer, TokenTextCache
 from tests.server_fixtures import build_tokenizer_dir
 
 

@@ -20,10 +20,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import EngineRequestError
-from engine.core import KVCacheInfo
-from engine.core_client import EngineDeadError
-from engine.outputs import SchedulerStats
+from engine.frontend.async_engine import EngineRequestError
+from engine.frontend.core_client import EngineDeadError
+from engine.outputs import KVCacheInfo, SchedulerStats
 from engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from server import metrics as metrics_module
 from server.errors import APIError

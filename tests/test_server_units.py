@@ -13,9 +13,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.async_engine import EngineRequestError
-from engine.core_client import EngineDeadError
-from engine.input_checks import PromptError
+from engine.frontend.async_engine import EngineRequestError
+from engine.frontend.core_client import EngineDeadError
+from engine.frontend.processor import PromptError
 from engine.sampling_params import SamplingParamsError
 from server.cli import _build_cli_parser, engine_config_from_args, env_name, main, make_arg_parser
 from server.errors import from_exception, install_error_handlers

@@ -196,7 +196,7 @@ def test_min_tokens_with_a_grammar_is_refused():
 def test_offline_tiny_model_batch(tmp_path):
     """A constrained and a free greedy request in one batch: the constrained output
     matches its regex, the free one is what it is alone."""
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
     llm = LLM(str(build_tiny_checkpoint(tmp_path / "llama")), dtype="float32",
               max_model_len=128, kv_cache_memory="4M", device="cpu", max_num_seqs=4,

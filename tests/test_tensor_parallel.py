@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed.messages import Step, StepDone, core_side_codec, worker_side_codec
-from engine.distributed.multiproc_executor import plan_rank_cpus
 from engine.distributed.sharding import (
     RowRange,
     check_tensor_parallel,
     padded_range,
     shard_heads,
 )
+from engine.executor.messages import Step, StepDone, core_side_codec, worker_side_codec
+from engine.executor.multiproc_executor import plan_rank_cpus
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
@@ -256,7 +256,7 @@ def test_a_rank_that_cannot_start_fails_start_up_in_one_line(tmp_path):
     import socket
 
     from engine.config import EngineConfig, ModelConfig, ParallelConfig
-    from engine.core import EngineCore
+    from engine.core.core import EngineCore
 
     model_dir = build_tiny_checkpoint(tmp_path / "llama", "llama")
     with socket.socket() as busy:
@@ -277,7 +277,7 @@ def test_ranks_get_the_starters_environment(monkeypatch):
     """A forkserver keeps the environment of its start; each rank applies the starter's."""
     import os
 
-    from engine.distributed.worker_proc import apply_env, env_snapshot
+    from engine.executor.worker_proc import apply_env, env_snapshot
 
     monkeypatch.setenv("PAGEDSERVE_QUANT_MAX_ROWS", "3")
     snapshot = env_snapshot()

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from engine.config import ParallelConfig
-from engine.distributed.multiproc_executor import control_port, node_ranks
+from engine.executor.multiproc_executor import control_port, node_ranks
 from server.cli import make_arg_parser
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The engine x-ray snapshot (engine/xray.py) against exact engine-core states.
+"""The engine x-ray snapshot (engine/core/xray.py, engine/xray_schema.py) against exact engine-core states.
 
 An EngineCore over the echo FakeExecutor, 4-token blocks and a tiny pool: every block
 id, ref count, tree edge and step row below follows from the scheduler's rules (blocks
@@ -14,17 +14,21 @@ import msgspec
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.ipc import XrayCall, XrayResult, core_codec, frontend_codec
-from engine.request import EngineCoreRequest, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.xray import (
+from engine.core.core import EngineCore
+from engine.core.xray import (
     FREE,
     FREE_CACHED,
     IN_USE,
     RECENT_CHAINS,
-    SCHEMA_VERSION,
     STEP_HISTORY,
+    id_runs,
+    run_length,
+)
+from engine.ipc import XrayCall, XrayResult, core_codec, frontend_codec
+from engine.request import EngineCoreRequest, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.xray_schema import (
+    SCHEMA_VERSION,
     XrayBlockMap,
     XrayConfig,
     XrayLimits,
@@ -33,8 +37,6 @@ from engine.xray import (
     XraySnapshot,
     XraySteps,
     XrayTreeNode,
-    id_runs,
-    run_length,
 )
 from tests.server_fixtures import FakeExecutor
 

@@ -16,10 +16,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore
+from engine.core.core import EngineCore
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 from server.app import build_app
 from server.cli import make_arg_parser
 from server.metrics import ServerMetrics

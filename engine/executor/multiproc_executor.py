@@ -30,8 +30,8 @@ import torch
 import zmq
 
 from engine.config import EngineConfig, ParallelConfig
-from engine.core import KVCacheInfo
-from engine.distributed.messages import (
+from engine.distributed.sharding import check_tensor_parallel
+from engine.executor.messages import (
     InitKVCache,
     KVCacheReady,
     Step,
@@ -41,9 +41,8 @@ from engine.distributed.messages import (
     WorkerReady,
     core_side_codec,
 )
-from engine.distributed.sharding import check_tensor_parallel
-from engine.distributed.worker_proc import WorkerSpec, env_snapshot, rank_identity, run_worker
-from engine.outputs import ModelRunnerOutput
+from engine.executor.worker_proc import WorkerSpec, env_snapshot, rank_identity, run_worker
+from engine.outputs import KVCacheInfo, ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.executor import RankInfo, choose_num_blocks, resolve_device
 
@@ -141,7 +140,7 @@ def worker_specs(config: EngineConfig, node_rank: int, dist_init_method: str,
 # it forks: a rank then starts in well under a second instead of importing torch and
 # transformers anew (seconds each). The forkserver itself never computes, so it holds
 # no thread pools and no CUDA context; PAGEDSERVE_TP_START_METHOD=spawn opts out.
-_PRELOAD = ["torch", "transformers", "engine.distributed.worker_proc", "engine.worker.executor",
+_PRELOAD = ["torch", "transformers", "engine.executor.worker_proc", "engine.worker.executor",
             "engine.model_loader", "engine.models",
             # AutoConfig imports these lazily, and with them most of transformers
             "transformers.models.llama.configuration_llama",

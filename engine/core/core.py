@@ -1,7 +1,7 @@
 """EngineCore: one step = schedule() -> execute_model() -> update_from_output().
 
 Used in-process by the offline `LLM` API and tests, and inside its own process by
-the server (see `engine/core_proc.py`).
+the server (see `engine/core/core_proc.py`).
 
 With async scheduling (`SchedulerConfig.async_scheduling`) the model runs on a
 worker thread and the core keeps one step ahead of it:
@@ -26,37 +26,18 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.core.xray import XrayRecorder, build_snapshot
+from engine.executor.abstract import Executor, make_executor
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager
-from engine.xray import XrayLimits, XrayRecorder, XraySnapshot, build_snapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVCacheInfo:
-    """What start-up found out about the model and its KV cache."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-
-
-class Executor(Protocol):
-    """Runs the model. The real one is `engine.worker.executor.ModelExecutor`."""
-
-    def initialize(self) -> KVCacheInfo: ...
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def shutdown(self) -> None: ...
 
 
 class StepFaultInjector:
@@ -87,8 +68,6 @@ class _StepInFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         if executor is None:
-            from engine.worker.executor import make_executor
-
             executor = make_executor(config)
         self.config = config
         self.executor = executor
@@ -108,7 +87,7 @@ class EngineCore:
         self._in_flight: deque[_StepInFlight] = deque()
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step")
                         if scheduler_config.async_scheduling else None)
-        self.xray = XrayRecorder(self.scheduler)  # what GET /xray shows; see engine/xray.py
+        self.xray = XrayRecorder(self.scheduler)  # what GET /xray shows; see engine/core/xray.py
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.xray.note_request(self.scheduler.add_request(request))
@@ -211,7 +190,7 @@ class EngineCore:
 
     def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
         """The scheduler, block pool, prefix cache and recent steps now (between steps)."""
-        return build_snapshot(self, limits)
+        return build_snapshot(self.scheduler, self.xray, self.num_steps, limits)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -17,7 +17,7 @@ import signal
 import threading
 
 from engine.config import EngineConfig
-from engine.distributed.multiproc_executor import (
+from engine.executor.multiproc_executor import (
     control_port,
     describe_exit,
     start_workers,

@@ -9,7 +9,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.async_engine import derive_seed
 from engine.config import (
     CacheConfig,
     DeviceConfig,
@@ -19,8 +18,9 @@ from engine.config import (
     SchedulerConfig,
     parse_size,
 )
-from engine.core import EngineCore
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.core import EngineCore
+from engine.frontend.async_engine import derive_seed
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.outputs import Logprobs
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import logging
 import os
 import queue
@@ -40,11 +39,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, Executor
+from engine.core.core import EngineCore
+from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     UTILITY_METHODS,
     AbortRequests,
@@ -78,7 +78,7 @@ _EMPTY_STEP_WAIT_S = 0.005
 # thread sharing its core, and since every parallel region waits for its slowest
 # thread, one greedy request ran 20x slower. The core's threads follow the CPUs it
 # may use (`configure_compute_threads`) and sleep at barriers (OMP_WAIT_POLICY,
-# set by the frontend in engine/core_client.py).
+# set by the frontend in engine/frontend/core_client.py).
 
 
 def configure_compute_threads(requested: int | None = None) -> int:
@@ -94,23 +94,6 @@ def configure_compute_threads(requested: int | None = None) -> int:
     logger.info("compute threads: %d (%s)", num_threads,
                 "--cpu-threads" if requested else cpu_info.describe())
     return num_threads
-
-
-@dataclass(frozen=True)
-class ExecutorSpec:
-    """How to build an executor inside the core process without pickling one.
-
-    `factory` is "package.module:callable"; it is called as `factory(config, **kwargs)`.
-    Tests use this to run a fake executor behind the real process machinery.
-    """
-
-    factory: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self, config: EngineConfig) -> Executor:
-        module_name, _, attr = self.factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
-        return factory(config, **self.kwargs)
 
 
 def build_engine_core(config: EngineConfig, executor_spec: ExecutorSpec | None) -> EngineCore:

@@ -40,14 +40,14 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, Executor, KVCacheInfo
-from engine.core_proc import (
+from engine.core.core import EngineCore
+from engine.core.core_proc import (
     EngineCoreProc,
-    ExecutorSpec,
     build_engine_core,
     run_engine_core,
     run_shared_engine_core,
 )
+from engine.executor.abstract import Executor, ExecutorSpec
 from engine.ipc import (
     LAUNCHER_IDENTITY,
     AbortRequests,
@@ -71,9 +71,9 @@ from engine.ipc import (
     frontend_codec,
     frontend_identity,
 )
-from engine.outputs import EngineCoreOutputs
+from engine.outputs import EngineCoreOutputs, KVCacheInfo
 from engine.request import EngineCoreRequest
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
 

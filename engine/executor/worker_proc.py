@@ -85,7 +85,8 @@ def run_worker(spec: WorkerSpec) -> None:
     import torch
     import zmq
 
-    from engine.distributed.messages import (
+    from engine.distributed.parallel_state import init_tensor_parallel
+    from engine.executor.messages import (
         InitKVCache,
         KVCacheReady,
         Step,
@@ -95,7 +96,6 @@ def run_worker(spec: WorkerSpec) -> None:
         WorkerReady,
         worker_side_codec,
     )
-    from engine.distributed.parallel_state import init_tensor_parallel
     from engine.worker.executor import Worker
 
     rank = spec.rank.rank

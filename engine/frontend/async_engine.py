@@ -28,15 +28,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol
 
 from engine.config import EngineConfig
-from engine.core_client import (
+from engine.executor.abstract import ExecutorSpec
+from engine.frontend.core_client import (
     DEFAULT_STARTUP_TIMEOUT_S,
     AsyncEngineCoreClient,
     EngineDeadError,
     start_async_client,
 )
-from engine.core_proc import ExecutorSpec
-from engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from engine.input_checks import check_prompt
+from engine.frontend.detokenizer import IncrementalDetokenizer, TokenTextCache
+from engine.frontend.processor import check_prompt
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
 from engine.request import EngineCoreRequest
 from engine.request_output import (
@@ -47,7 +47,7 @@ from engine.request_output import (
     TopLogprob,
 )
 from engine.sampling_params import SamplingParams
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -591,7 +591,7 @@ class AsyncEngine:
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
     async def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
-        """The engine core's queues, block pool, prefix cache and recent steps (engine/xray.py)."""
+        """The engine core's queues, block pool, prefix cache and recent steps (engine/core/xray.py)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         return await self.client.xray_snapshot_async(limits)
