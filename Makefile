@@ -29,10 +29,12 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # No venv: on the GPU machine python3 is the image's (torch with CUDA); the script
 # installs the wheels of .whl/ itself. Here, --dry-run uses .venv if it exists.

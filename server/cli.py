@@ -397,10 +397,11 @@ def _run_launcher(args: argparse.Namespace, options, config: EngineConfig, model
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from benchmarks import serve as bench_serve  # lazy: only this subcommand needs it
+    """`bench serve ARGS` is `python -m benchmarks.serve ARGS`, run as its own program:
+    the server imports nothing of benchmarks/ (which is a client of it)."""
+    import subprocess
 
-    result = bench_serve.main(list(args.bench_args))
-    return result if isinstance(result, int) else 0
+    return subprocess.call([sys.executable, "-m", "benchmarks.serve", *args.bench_args])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

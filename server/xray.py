@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -38,7 +38,6 @@ from server.errors import APIError, from_exception
 
 if TYPE_CHECKING:
     from engine.frontend.async_engine import AsyncEngine
-    from server.state import ServerState
 
 PAGE_RESOURCE = "static/xray.html"
 _NO_STORE = {"Cache-Control": "no-store"}
@@ -172,7 +171,20 @@ def load_page() -> str:
     return resources.files("server").joinpath(PAGE_RESOURCE).read_text(encoding="utf-8")
 
 
-def install_xray_routes(app: FastAPI, state: ServerState) -> SnapshotCache | None:
+class XrayHost(Protocol):
+    """What the x-ray routes read of the server's state (server.state.ServerState, which
+    holds this module's XrayOptions: so this module names it only by shape)."""
+
+    xray: XrayOptions
+    engine: AsyncEngine
+    tokenizer: Any
+    api_key: str | None
+
+    @property
+    def model_name(self) -> str: ...
+
+
+def install_xray_routes(app: FastAPI, state: XrayHost) -> SnapshotCache | None:
     """Add GET /xray and GET /xray/state unless --no-xray; returns their cache."""
     options = state.xray
     if not options.enabled:

@@ -16,14 +16,12 @@ import pytest
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor.abstract import ExecutorSpec
-from engine.frontend.async_engine import AsyncEngine, EngineRequestError, derive_seed
+from engine.frontend.async_engine import AsyncEngine, EngineRequestError
 from engine.frontend.core_client import (
     EngineDeadError,
     EngineStartupError,
-    InprocClient,
-    SyncMPClient,
 )
-from engine.frontend.processor import PromptError
+from engine.frontend.processor import PromptError, derive_seed
 from engine.ipc import AbortRequests, AddRequest, Outputs, Ready, core_codec, frontend_codec
 from engine.outputs import (
     EngineCoreOutput,
@@ -35,6 +33,7 @@ from engine.outputs import (
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 from tests.server_fixtures import FakeExecutor, build_tokenizer_dir
+from tests.support.sync_clients import InprocClient, SyncMPClient
 
 FAKE = f"{FakeExecutor.__module__}:FakeExecutor"
 FAIL_TOKEN = 7

@@ -8,7 +8,10 @@
 Each request's consumer collects everything that arrived since it last looked, so a
 slow consumer gets bigger deltas rather than falling behind. Detokenization runs in
 this process, never in the core. A request with `n > 1` becomes n core requests
-`"{req_id}-{i}"` whose seeds derive from the request's seed (`derive_seed`).
+`"{req_id}-{i}"` whose seeds derive from the request's seed (`derive_seed`). The
+Processor (prompt checks, fan-out) and the OutputProcessor (detokenize, stops,
+logprobs) are the offline LLM's too; this class adds the streams, aborts, health and
+the observer around them.
 
 `add_request()` queues a request at once and returns its `RequestStream`; `generate()`
 is the same as one async generator. Leaving a stream early (aclose, an exception, a
@@ -21,7 +24,6 @@ core's busy loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -35,17 +37,10 @@ from engine.frontend.core_client import (
     EngineDeadError,
     start_async_client,
 )
-from engine.frontend.detokenizer import IncrementalDetokenizer, TokenTextCache
-from engine.frontend.processor import check_prompt
-from engine.outputs import EngineCoreOutput, EngineCoreOutputs, Logprobs, SchedulerStats
-from engine.request import EngineCoreRequest
-from engine.request_output import (
-    CompletionOutput,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprob,
-    TopLogprob,
-)
+from engine.frontend.output_processor import OutputProcessor, RequestState
+from engine.frontend.processor import Processor
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.xray_schema import XrayLimits, XraySnapshot
 
@@ -54,7 +49,6 @@ logger = logging.getLogger(__name__)
 # Outputs processed between two yields to the event loop, so HTTP handling and SSE
 # writes interleave with a big batch's detokenization.
 _OUTPUT_CHUNK = 128
-_SEED_MASK = (1 << 63) - 1
 # check_health(): how long the core's loop may take to answer a Ping (it answers
 # between two steps), and, when it does not answer in time, for how long a core that
 # is busy (a step's outputs arrived, or it was just given work) still counts as alive.
@@ -91,69 +85,6 @@ class EngineObserver(Protocol):
     def on_request_finished(self, output: RequestOutput, error: str | None) -> None: ...
 
 
-def derive_seed(seed: int | None, index: int) -> int | None:
-    """Seed of sequence `index` of a request: index 0 keeps the seed, the rest differ.
-
-    Deterministic (splitmix64 of seed and index), so one seed gives the same n samples
-    every time, and n different ones.
-    """
-    if seed is None or index == 0:
-        return seed
-    z = (seed + 0x9E3779B97F4A7C15 * index) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _SEED_MASK
-
-
-class _SequenceState:
-    """One of a request's n sequences, as the frontend tracks it."""
-
-    def __init__(self, index: int, core_req_id: str, detokenizer: IncrementalDetokenizer,
-                 want_logprobs: bool):
-        self.index = index
-        self.core_req_id = core_req_id
-        self.detokenizer = detokenizer
-        self.token_ids: list[int] = []
-        self.logprobs: list[SampleLogprob] | None = [] if want_logprobs else None
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        # How much of the above the consumer has seen.
-        self.num_emitted_chars = 0
-        self.num_emitted_tokens = 0
-        self.num_emitted_logprobs = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            self.stop_reason = stop_reason
-
-
-class _RequestState:
-    def __init__(self, req_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival_time: float):
-        self.req_id = req_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.sequences: list[_SequenceState] = []
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[SampleLogprob | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
-        self.error: str | None = None
-        self.engine_dead = False  # `error` is the dead engine's (not this request's own)
-        self.changed = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.finished for seq in self.sequences)
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator (the last one has `finished`).
 
@@ -162,7 +93,7 @@ class RequestStream:
     or a cancellation, aborts the request if it is still unfinished.
     """
 
-    def __init__(self, engine: AsyncEngine, state: _RequestState):
+    def __init__(self, engine: AsyncEngine, state: RequestState):
         self._engine = engine
         self._state = state
         self._done = False
@@ -191,7 +122,7 @@ class RequestStream:
         if state.error is not None:
             self._done = True
             raise EngineRequestError(state.error, engine_dead=state.engine_dead)
-        output = self._engine._make_output(state)
+        output = OutputProcessor.make_output(state)
         if output.finished:
             self._done = True
         return output
@@ -227,9 +158,11 @@ class AsyncEngine:
         self.max_model_len = client.kv_cache_info.max_model_len
         # The embedding may be padded beyond the tokenizer; ids past both are invalid.
         self.vocab_size = client.kv_cache_info.vocab_size
-        self.token_text = TokenTextCache(tokenizer)
-        self._requests: dict[str, _RequestState] = {}
-        self._sequences: dict[str, tuple[_RequestState, _SequenceState]] = {}
+        self.processor = Processor(tokenizer, self.max_model_len, self.vocab_size, eos_token_id)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.token_text = self.output_processor.token_text
+        self._requests = self.output_processor.requests
+        self._sequences = self.output_processor.sequences
         # Core request ids added but not yet scheduled (no output, no scheduled time).
         self._unscheduled: set[str] = set()
         # time.monotonic() when the core last went from no requests to some (health).
@@ -343,52 +276,29 @@ class AsyncEngine:
         return True
 
     async def _add_request(self, prompt, params, req_id, prompt_text, priority, cache_salt,
-                           arrival_time) -> _RequestState:
+                           arrival_time) -> RequestState:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
-        if isinstance(prompt, str):
-            prompt_text = prompt
-            prompt_token_ids = list(self.tokenizer(prompt).input_ids)
-        else:
-            prompt_token_ids = [int(t) for t in prompt]
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
-        state = _RequestState(req_id, prompt_text, prompt_token_ids, params,
-                              arrival_time if arrival_time is not None else time.time())
-        core_requests = []
-        for index in range(params.n):
-            core_req_id = req_id if params.n == 1 else f"{req_id}-{index}"
-            child_params = dataclasses.replace(params, n=1, seed=derive_seed(params.seed, index))
-            detokenizer = IncrementalDetokenizer.from_params(
-                self.tokenizer, prompt_token_ids, child_params)
-            seq = _SequenceState(index, core_req_id, detokenizer, params.logprobs is not None)
-            state.sequences.append(seq)
-            core_requests.append(EngineCoreRequest(
-                req_id=core_req_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params=child_params,
-                eos_token_id=self.eos_token_id,
-                arrival_time=state.metrics.arrival_time,
-                priority=priority,
-                cache_salt=cache_salt,
-            ))
+        processed = self.processor.process_inputs(
+            req_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
+            prompt_text=prompt_text, priority=priority, cache_salt=cache_salt)
         self._ensure_output_task()
         if not self._requests:
             self._busy_since = time.monotonic()
-        self._requests[req_id] = state
+        state = self.output_processor.add_request(processed)
         for seq in state.sequences:
-            self._sequences[seq.core_req_id] = (state, seq)
             self._unscheduled.add(seq.core_req_id)
         try:
-            for core_request in core_requests:
+            for core_request in processed.core_requests:
                 await self.client.add_request_async(core_request)
         except BaseException:
             self._abort_state(state)
             raise
         return state
 
-    def _abort_state(self, state: _RequestState) -> None:
+    def _abort_state(self, state: RequestState) -> None:
         core_req_ids = []
         for seq in state.sequences:
             if not seq.finished:
@@ -399,16 +309,15 @@ class AsyncEngine:
         if core_req_ids and self.dead_error is None:
             self._spawn(self.client.abort_requests_async(core_req_ids))
 
-    def _forget(self, state: _RequestState) -> None:
-        if self._requests.pop(state.req_id, None) is None:
+    def _forget(self, state: RequestState) -> None:
+        if not self.output_processor.remove_request(state):
             return
         for seq in state.sequences:
-            self._sequences.pop(seq.core_req_id, None)
             self._unscheduled.discard(seq.core_req_id)
         state.metrics.finished_time = time.time()
         if self.observer is not None:
             try:
-                self.observer.on_request_finished(self._snapshot(state), state.error)
+                self.observer.on_request_finished(OutputProcessor.snapshot(state), state.error)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("observer.on_request_finished failed")
 
@@ -466,57 +375,12 @@ class AsyncEngine:
 
     def _process_one(self, core_output: EngineCoreOutput, now: float, to_abort: list[str]) -> None:
         self._unscheduled.discard(core_output.req_id)
-        entry = self._sequences.get(core_output.req_id)
-        if entry is None:
+        state = self.output_processor.process_output(core_output, now, to_abort)
+        if state is None:
             return  # aborted meanwhile
-        state, seq = entry
-        if core_output.error is not None or core_output.finish_reason == "error":
-            state.error = core_output.error or "the engine failed this request"
-            seq.finish("error")
-            self._abort_siblings(state, to_abort)
+        if state.finished:
             self._forget(state)
-            state.changed.set()
-            return
-        new_token_ids = core_output.new_token_ids
-        if new_token_ids:
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            seq.token_ids.extend(new_token_ids)
-            if seq.logprobs is not None and core_output.new_logprobs is not None:
-                seq.logprobs.extend(self._convert_logprobs(core_output.new_logprobs))
-        if state.prompt_logprobs is not None and core_output.new_prompt_logprobs is not None:
-            state.prompt_logprobs.extend(self._convert_logprobs(core_output.new_prompt_logprobs))
-        state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
-        # A stop token (EOS or a stop token id) ends the sequence: its text is hidden.
-        stop_string = seq.detokenizer.update(
-            new_token_ids, stop_token_terminated=core_output.stopped_by_token)
-        if stop_string is not None:
-            seq.finish("stop", stop_string)
-            if not core_output.finished:
-                to_abort.append(seq.core_req_id)
-        elif core_output.finished:
-            seq.finish(core_output.finish_reason, core_output.stop_reason)
-        if seq.finished:
-            self._sequences.pop(seq.core_req_id, None)
-            if state.finished:
-                self._forget(state)
         state.changed.set()
-
-    def _abort_siblings(self, state: _RequestState, to_abort: list[str]) -> None:
-        for seq in state.sequences:
-            if not seq.finished:
-                seq.finish("abort")
-                to_abort.append(seq.core_req_id)
-
-    def _convert_logprobs(self, rows: Logprobs) -> list[SampleLogprob]:
-        token_text = self.token_text
-        converted = []
-        for token_ids, logprobs, rank in zip(rows.token_ids, rows.logprobs, rows.ranks, strict=True):
-            top = [TopLogprob(t, lp, token_text(t)) for t, lp in zip(token_ids[1:], logprobs[1:], strict=True)]
-            converted.append(
-                SampleLogprob(token_ids[0], logprobs[0], rank, token_text(token_ids[0]), top))
-        return converted
 
     def _fail_everything(self, message: str) -> None:
         logger.error("engine is dead: %s; failing its %d unfinished request(s), refusing "
@@ -529,62 +393,6 @@ class AsyncEngine:
                 seq.finish("error")
             self._forget(state)
             state.changed.set()
-
-    # ------------------------------------------------------------------ snapshots
-    def _make_output(self, state: _RequestState) -> RequestOutput:
-        """Everything new since the previous call, plus the cumulative state."""
-        outputs = []
-        for seq in state.sequences:
-            text = seq.detokenizer.get_text(finished=seq.finished)
-            delta_text = text[seq.num_emitted_chars:]
-            seq.num_emitted_chars = len(text)
-            delta_token_ids = seq.token_ids[seq.num_emitted_tokens:]
-            seq.num_emitted_tokens = len(seq.token_ids)
-            delta_logprobs = None
-            if seq.logprobs is not None:
-                delta_logprobs = seq.logprobs[seq.num_emitted_logprobs:]
-                seq.num_emitted_logprobs = len(seq.logprobs)
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=text,
-                delta_text=delta_text,
-                token_ids=list(seq.token_ids),
-                delta_token_ids=delta_token_ids,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                delta_logprobs=delta_logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(
-            req_id=state.req_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs,
-            finished=state.finished,
-            metrics=state.metrics.copy(),
-            num_cached_tokens=state.num_cached_tokens,
-            prompt_logprobs=state.prompt_logprobs,
-        )
-
-    def _snapshot(self, state: _RequestState) -> RequestOutput:
-        """The cumulative state only (for observers); does not move the delta marks."""
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.get_text(finished=seq.finished),
-                delta_text="",
-                token_ids=list(seq.token_ids),
-                delta_token_ids=[],
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in state.sequences
-        ]
-        return RequestOutput(
-            req_id=state.req_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs, finished=state.finished, metrics=dataclasses.replace(state.metrics),
-            num_cached_tokens=state.num_cached_tokens,
-        )
 
     # ------------------------------------------------------------------ control
     async def reset_prefix_cache(self) -> bool:

@@ -1,10 +1,15 @@
-"""The offline API: `LLM(model).generate(prompts, params)` over an in-process EngineCore."""
+"""The offline API: `LLM(model).generate(prompts, params)` over an in-process EngineCore.
+
+The same front-end pipeline as the server's AsyncEngine: a Processor checks each prompt
+and fans it out into n core requests; the OutputProcessor detokenizes, applies stop
+strings and collects logprobs; the results are the server's `RequestOutput`s, finished.
+"""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm import tqdm
@@ -19,50 +24,12 @@ from engine.config import (
     parse_size,
 )
 from engine.core.core import EngineCore
-from engine.frontend.async_engine import derive_seed
-from engine.frontend.detokenizer import IncrementalDetokenizer
-from engine.outputs import Logprobs
-from engine.request import EngineCoreRequest
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import Processor
+from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int]
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: Logprobs | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A finished request: its prompt and its `n` samples, in sample order."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: Logprobs | None = None
-    num_cached_tokens: int = 0
-    finished: bool = True
-
-
-@dataclass
-class _SampleState:
-    output: CompletionOutput
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer  # the server's: same text, same stop-string rules
-    prompt_logprobs: Logprobs = field(default_factory=Logprobs)
-
-    @property
-    def done(self) -> bool:
-        return self.output.finish_reason is not None
 
 
 class LLM:
@@ -129,6 +96,10 @@ class LLM:
         )
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len
+        self.processor = Processor(self.tokenizer, self.max_model_len,
+                                   self.engine_core.kv_cache_info.vocab_size,
+                                   self.tokenizer.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
@@ -185,72 +156,37 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        core = self.engine_core
-        results: list[RequestOutput] = []
-        samples: dict[str, _SampleState] = {}
-        owner: dict[str, RequestOutput] = {}
-        eos_token_id = self.tokenizer.eos_token_id
-        for prompt, params in zip(prompts, params_list, strict=True):
-            prompt_ids = self._encode(prompt)
-            request_id = str(next(self._counter))
-            result = RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
-                                   prompt_ids, outputs=[])
-            results.append(result)
-            for index in range(params.n):
-                sample_params = replace(params, n=1, seed=derive_seed(params.seed, index))
-                sub_id = f"{request_id}-{index}"
-                output = CompletionOutput(index=index, text="", token_ids=[])
-                if params.logprobs is not None:
-                    output.logprobs = Logprobs()
-                result.outputs.append(output)
-                samples[sub_id] = _SampleState(output, sample_params,
-                                               IncrementalDetokenizer.from_params(
-                                                   self.tokenizer, prompt_ids, sample_params))
-                owner[sub_id] = result
-                core.add_request(EngineCoreRequest(sub_id, prompt_ids, sample_params,
-                                                   eos_token_id=eos_token_id))
-
-        progress = tqdm(total=len(samples), desc="generate", disable=not use_tqdm)
-        while core.has_unfinished_requests():
-            step = core.step()
-            for out in step.outputs:
-                state = samples[out.req_id]
-                state.output.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs is not None and state.output.logprobs is not None:
-                    _extend_logprobs(state.output.logprobs, out.new_logprobs)
-                if out.new_prompt_logprobs is not None:
-                    _extend_logprobs(state.prompt_logprobs, out.new_prompt_logprobs)
-                owner[out.req_id].num_cached_tokens = out.num_cached_tokens
-                if out.error is not None:
-                    raise RuntimeError(out.error)
-                if state.done:
-                    continue
-                stop_string = state.detokenizer.update(
-                    out.new_token_ids, stop_token_terminated=out.stopped_by_token)
-                if stop_string is not None:
-                    if not out.finished:
-                        core.abort_requests([out.req_id])
-                    state.output.finish_reason, state.output.stop_reason = "stop", stop_string
-                elif out.finished:
-                    state.output.finish_reason = out.finish_reason
-                    state.output.stop_reason = out.stop_reason
-                if state.done:
-                    progress.update(1)
-        progress.close()
-
-        for sub_id, state in samples.items():
-            state.output.text = state.detokenizer.get_text(finished=True)
-            if state.params.prompt_logprobs is not None:
-                owner[sub_id].prompt_logprobs = state.prompt_logprobs
+        """Add every request (raises PromptError before any is added), then step the core
+        until all are done."""
+        core, output_processor = self.engine_core, self.output_processor
+        processed = [
+            self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time())
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ]
+        states = [output_processor.add_request(request) for request in processed]
+        for request in processed:
+            for core_request in request.core_requests:
+                core.add_request(core_request)
+        num_sequences = len(output_processor.sequences)
+        progress = tqdm(total=num_sequences, desc="generate", disable=not use_tqdm)
+        try:
+            while core.has_unfinished_requests():
+                step = core.step()
+                now, to_abort = time.time(), []
+                for out in step.outputs:
+                    state = output_processor.process_output(out, now, to_abort)
+                    if state is not None and state.error is not None:
+                        raise RuntimeError(state.error)
+                if to_abort:
+                    core.abort_requests(to_abort)
+                # A finished sequence leaves `sequences`.
+                progress.update(num_sequences - len(output_processor.sequences) - progress.n)
+        finally:
+            progress.close()
+            for state in states:
+                output_processor.remove_request(state)
+        results = []
+        for state in states:
+            state.metrics.finished_time = time.time()
+            results.append(OutputProcessor.make_output(state))
         return results
-
-    def _encode(self, prompt: PromptType) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return list(prompt)
-
-
-def _extend_logprobs(into: Logprobs, new: Logprobs) -> None:
-    into.token_ids.extend(new.token_ids)
-    into.logprobs.extend(new.logprobs)
-    into.ranks.extend(new.ranks)
