@@ -30,7 +30,7 @@ from server.metrics import ServerMetrics
 from tests import deploy_exprs as dx
 from tests.model_fixtures import build_tiny_checkpoint
 from tests.server_fixtures import ServerProcess, serving
-from tests.test_scheduler import add, make_scheduler, step
+from tests.support.scheduler import add, make_scheduler, step
 
 MODEL = "tiny"
 BLOCK_SIZE = 16

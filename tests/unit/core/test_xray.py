@@ -319,7 +319,7 @@ def test_waiting_queue_order(policy):
 
 
 def test_every_field_is_documented():
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "xray.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "xray.md").read_text()
     assert f"(`schema_version` {SCHEMA_VERSION})" in doc
     for struct in (XraySnapshot, XrayConfig, XrayRequest, XrayBlockMap, XrayTreeNode,
                    XrayPrefixTree, XraySteps):
