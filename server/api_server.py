@@ -41,11 +41,8 @@ import uvicorn
 from engine.config import EngineConfig
 from engine.executor.abstract import ExecutorSpec
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
-from engine.frontend.core_client import (
-    DEFAULT_STARTUP_TIMEOUT_S,
-    AsyncSharedCoreClient,
-    start_async_client,
-)
+from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
+from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
 from server.app import build_app
 from server.lifecycle import ServerLimits

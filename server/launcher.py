@@ -63,7 +63,8 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.executor.abstract import ExecutorSpec
-from engine.frontend.core_client import EngineStartupError, SharedCoreProcess
+from engine.frontend.core_client import EngineStartupError
+from engine.frontend.shared_core_client import SharedCoreProcess
 from engine.ipc import SharedCoreLink
 from server.api_server import APIServer, ServeOptions, bind_socket
 

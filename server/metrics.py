@@ -41,7 +41,7 @@ prometheus-client's multiprocess mode. Every process writes its values to files 
 the launcher's PROMETHEUS_MULTIPROC_DIR, and /metrics on any of them renders the sum
 over all of them (counters, histograms), so every frontend reports the whole server.
 The engine core sends its per-step SchedulerStats to API server 0 only
-(engine/core_proc.STATS_FRONTEND), so the step metrics are counted once; their gauges
+(engine/core/shared_core.py, STATS_FRONTEND), so the step metrics are counted once; their gauges
 take the most recently set value of any process ("mostrecent"). Per process: only
 `cache_config_info` (an Info, which multiprocess mode lacks; every process sets the
 same labels, so each exposes the same series).

@@ -1,6 +1,6 @@
 """`serve --api-server-count 2`: two API server processes on one port over one engine core.
 
-Unit tests drive the core's router (engine/core_proc.SharedEngineCoreProc) over a stub
+Unit tests drive the core's router (engine/core/shared_core.py, SharedEngineCoreProc) over a stub
 core: outputs split by request owner (every frontend hears of every step), stats to
 frontend 0 only, replies to the asker,
 duplicate ids refused, aborts limited to the sender's requests, Shutdown only from the
@@ -33,7 +33,7 @@ import httpx
 import openai
 import pytest
 
-from engine.core.core_proc import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc, ToFrontend
+from engine.core.shared_core import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc, ToFrontend
 from engine.ipc import (
     AbortRequests,
     AddRequest,

@@ -5,6 +5,6 @@
     detokenizer       incremental, UTF-8 safe detokenization
     async_engine      AsyncEngine: the server's asyncio API over a core client
     llm               LLM: the offline, synchronous API over an in-process EngineCore
-    core_client       how a front end talks to the engine core: a thread, its own
-                      process, or a core shared by N API servers
+    core_client       how a front end talks to the engine core: a thread or its own process
+    shared_core_client  ... or one core shared by N API servers (and the launcher's handle)
 """

@@ -2,9 +2,9 @@
 
     AsyncMPClient      asyncio; the core runs in its own process (the server's default)
     AsyncThreadClient  asyncio; the core's busy loop runs in a background thread (tests)
-    AsyncSharedCoreClient  asyncio; frontend k of N sharing one core process that the
-                       launcher started (`serve --api-server-count N`; SharedCoreProcess
-                       is the launcher's handle on that core)
+
+Frontend k of N sharing one core process (`serve --api-server-count N`) is
+AsyncSharedCoreClient, in engine/frontend/shared_core_client.py.
 
 Every client delivers the core's `EngineCoreOutputs` in step order. The process
 clients raise `EngineStartupError` (with the core's own message) when the core cannot
@@ -43,11 +43,9 @@ from engine.core.core_proc import (
     EngineCoreProc,
     build_engine_core,
     run_engine_core,
-    run_shared_engine_core,
 )
 from engine.executor.abstract import Executor, ExecutorSpec
 from engine.ipc import (
-    LAUNCHER_IDENTITY,
     AbortRequests,
     AddRequest,
     Codec,
@@ -58,8 +56,6 @@ from engine.ipc import (
     Ping,
     Pong,
     Ready,
-    SharedCoreAddresses,
-    SharedCoreLink,
     Shutdown,
     StartupError,
     UtilityCall,
@@ -67,7 +63,6 @@ from engine.ipc import (
     XrayCall,
     XrayResult,
     frontend_codec,
-    frontend_identity,
 )
 from engine.outputs import EngineCoreOutputs, KVCacheInfo
 from engine.request import EngineCoreRequest
@@ -90,7 +85,7 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped working; no request can be served any more."""
 
 
-def _spawn_core_process(target, args: tuple) -> multiprocessing.process.BaseProcess:
+def spawn_core_process(target, args: tuple) -> multiprocessing.process.BaseProcess:
     """Start the engine-core process (start method: spawn) running `target(*args)`."""
     spawn = multiprocessing.get_context("spawn")
     # The child reads OpenMP's settings from the environment when torch loads.
@@ -135,7 +130,7 @@ class _CoreProcess:
         self.input_socket.bind(input_address)
         self.output_socket = context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
-        self.process = _spawn_core_process(
+        self.process = spawn_core_process(
             run_engine_core,
             (config, executor_spec, input_address, output_address, os.getpid(), log_level))
         _pin_frontend(config)
@@ -172,14 +167,14 @@ class _CoreProcess:
                 zmq.Socket.send(self.input_socket, frontend_codec().encode(Shutdown()),
                                 flags=zmq.NOBLOCK)
             self.process.join(timeout=10)
-        _end_process(self.process)
+        end_process(self.process)
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def _end_process(process) -> None:
+def end_process(process) -> None:
     """A core that did not stop when asked: terminate it, then kill it."""
     if process.is_alive():
         logger.warning("engine core did not stop; terminating it")
@@ -327,7 +322,7 @@ class AsyncEngineCoreClient(abc.ABC):
             self._ping = None
 
 
-class _SocketClient(AsyncEngineCoreClient):
+class SocketClient(AsyncEngineCoreClient):
     """A core in another process, over ZMQ: messages go out on `_input`, come back on
     `_output`. Subclasses set both sockets and `_codec`, and say how the core's death
     shows (`check_alive`, and `gone` while it starts)."""
@@ -377,7 +372,7 @@ class _SocketClient(AsyncEngineCoreClient):
         return self._codec.decode(await self._output.recv())
 
 
-class AsyncMPClient(_SocketClient):
+class AsyncMPClient(SocketClient):
     """The core in its own (spawned) process, over ZMQ ipc:// sockets."""
 
     def __init__(self, config: EngineConfig, executor_spec: ExecutorSpec | None, log_level: str):
@@ -468,124 +463,6 @@ class AsyncThreadClient(AsyncEngineCoreClient):
         if self._thread.is_alive():
             self._proc.input_queue.put(Shutdown())
             self._thread.join(timeout=10)
-
-
-class SharedCoreProcess:
-    """The launcher's handle on an engine core shared by `num_frontends` frontends.
-
-    Spawns `run_shared_engine_core` with its sockets in a fresh temporary directory; the
-    frontends join it with `link(k)` (AsyncSharedCoreClient). Only `close()` (the
-    launcher's Shutdown, over its own DEALER) stops the core; it exits by itself too
-    when the launcher process is gone.
-    """
-
-    def __init__(self, config: EngineConfig, executor_spec: ExecutorSpec | None,
-                 num_frontends: int, log_level: str):
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
-        self.addresses = SharedCoreAddresses.in_dir(self.ipc_dir, num_frontends)
-        self.process = _spawn_core_process(
-            run_shared_engine_core,
-            (config, executor_spec, self.addresses, os.getpid(), log_level))
-        self._closed = False
-
-    @property
-    def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
-
-    def link(self, client_index: int) -> SharedCoreLink:
-        return SharedCoreLink(self.addresses, client_index, self.pid)
-
-    def close(self) -> None:
-        """Send Shutdown, wait for the core (terminate/kill if needed), clean up."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.process.is_alive():
-            context = zmq.Context()
-            socket = context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.ROUTING_ID, LAUNCHER_IDENTITY)
-            socket.connect(self.addresses.input_address)
-            with contextlib.suppress(zmq.ZMQError):
-                socket.send(frontend_codec().encode(Shutdown()), flags=zmq.NOBLOCK)
-            self.process.join(timeout=10)
-            socket.close(linger=0)
-            context.term()
-        _end_process(self.process)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-
-def _process_gone(pid: int) -> bool:
-    """True when `pid` no longer runs (gone, or a zombie its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[0]
-        return state in (b"Z", b"X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-
-
-class AsyncSharedCoreClient(_SocketClient):
-    """Frontend k of several sharing one engine core (started by the launcher).
-
-    A DEALER (routing id `frontend_identity(k)`) to the core's ROUTER, a PULL bound at
-    the core's output address for k: the core sends here only this frontend's outputs
-    and the answers to its own calls (engine/core_proc.SharedEngineCoreProc). The core
-    is not this process's child: `check_alive` looks at its pid. `shutdown()` only
-    leaves (the launcher stops the core once every frontend has stopped).
-    """
-
-    shares_core = True
-
-    def __init__(self, link: SharedCoreLink):
-        super().__init__()
-        self.link = link
-        self._codec = frontend_codec()
-        self._context = zmq.asyncio.Context()
-        self._input = self._context.socket(zmq.DEALER)
-        self._input.setsockopt(zmq.ROUTING_ID, frontend_identity(link.client_index))
-        self._input.connect(link.addresses.input_address)
-        self._output = self._context.socket(zmq.PULL)
-        self._output.bind(link.addresses.output_addresses[link.client_index])
-        self._closed = False
-
-    @classmethod
-    async def start(cls, link: SharedCoreLink,
-                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> AsyncSharedCoreClient:
-        """Join the core and wait for its Ready (or raise EngineStartupError)."""
-        def gone() -> EngineStartupError | None:
-            if _process_gone(link.core_pid):
-                return EngineStartupError("the engine core process exited during start-up")
-            return None
-
-        client = cls(link)
-        await client._wait_until_ready(startup_timeout_s, gone)
-        return client
-
-    @property
-    def pid(self) -> int:
-        return self.link.core_pid
-
-    def check_alive(self) -> None:
-        if _process_gone(self.link.core_pid):
-            raise EngineDeadError(
-                f"the engine core process (pid {self.link.core_pid}) exited unexpectedly")
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._input.close(linger=1000)  # the last aborts still reach the core
-        self._output.close(linger=0)
-        self._context.term()
 
 
 async def start_async_client(
