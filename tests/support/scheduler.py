@@ -1,6 +1,6 @@
 """Scheduler test helpers: a small scheduler, requests, and fake model-runner steps.
 
-Shared by tests/unit/sched/ and tests/test_metrics.py.
+Shared by tests/unit/sched/ and tests/server/test_metrics.py.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from engine.xray_schema import (
     XraySteps,
     XrayTreeNode,
 )
-from tests.server_fixtures import FakeExecutor
+from tests.support.server_fixtures import FakeExecutor
 
 BLOCK_SIZE = 4
 

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine.frontend.detokenizer import IncrementalDetokenizer, TokenTextCache
-from tests.server_fixtures import build_tokenizer_dir
+from tests.support.server_fixtures import build_tokenizer_dir
 
 
 @pytest.fixture(scope="module", params=["trained-bpe", "smollm2"])
