@@ -399,7 +399,8 @@ class AsyncEngine:
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
     async def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
-        """The engine core's queues, block pool, prefix cache and recent steps (engine/core/xray.py)."""
+        """The engine core's queues, block pool, prefix cache and recent steps
+        (engine/core/xray.py)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         return await self.client.xray_snapshot_async(limits)

@@ -1,6 +1,7 @@
-"""Engine-correctness helpers: prompts, the three-way greedy comparison with transformers, preemption counts.
+"""Engine-correctness helpers: prompts, the greedy comparison with transformers, preemptions.
 
-Shared by tests/engine/test_correctness.py, test_decode_graphs.py, test_tensor_parallel.py and tests/gpu/test_gpu_parity.py.
+Shared by tests/engine/test_correctness.py, test_decode_graphs.py, test_tensor_parallel.py
+and tests/gpu/test_gpu_parity.py.
 """
 
 from __future__ import annotations

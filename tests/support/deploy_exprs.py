@@ -1,7 +1,7 @@
 """PromQL used by the deployment files, ready to evaluate, and the metric catalogue it may use.
 
-Shared by tests/deploy/test_dashboard.py and tests/deploy/test_deploy.py, and meant for the live test that
-evaluates every dashboard and alert expression against a real Prometheus scraping a real
+Shared by tests/deploy/test_dashboard.py and tests/deploy/test_deploy.py, and meant for the
+live test that evaluates every dashboard and alert expression against a real Prometheus scraping a real
 pagedserve:
 
     from deploy_exprs import alert_expressions, dashboard_expressions

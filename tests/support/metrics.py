@@ -1,6 +1,7 @@
-"""Metrics test helpers: parse a Prometheus exposition, wait for a condition, the tiny metrics server.
+"""Metrics test helpers: parse an exposition, wait for a condition, the tiny metrics server.
 
-Shared by tests/server/test_metrics.py, test_api_server_count.py and tests/deploy/test_prometheus_live.py.
+Shared by tests/server/test_metrics.py, test_api_server_count.py and
+tests/deploy/test_prometheus_live.py.
 """
 
 from __future__ import annotations
