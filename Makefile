@@ -1,6 +1,7 @@
 # pagedserve: two commands for a fresh machine.
 #   make serve   set up .venv (deps + default model) and run the server on 127.0.0.1:8000
 #   make test    set up .venv and run the whole test suite
+#   make test-fast  the unit tests only (tests/unit/, under a minute): the inner loop
 #   make gpu-check              on a CUDA machine: GPU tests + benchmark (README, "GPU")
 #   make gpu-check ARGS=--dry-run   here: check that GPU run is wired, without a GPU
 PYTHON ?= python3
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve test lint bench clean gpu-check
+.PHONY: venv serve test test-fast lint bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,10 +30,15 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # No venv: on the GPU machine python3 is the image's (torch with CUDA); the script
 # installs the wheels of .whl/ itself. Here, --dry-run uses .venv if it exists.

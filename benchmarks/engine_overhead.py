@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore, KVCacheInfo
-from engine.core_proc import freeze_startup_heap
-from engine.outputs import ModelRunnerOutput
+from engine.core.core import EngineCore
+from engine.core.core_proc import freeze_startup_heap
+from engine.outputs import KVCacheInfo, ModelRunnerOutput
 from engine.request import EngineCoreRequest
 from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -344,8 +344,8 @@ class FrontendResult:
 
 async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer,
                         now: Callable[[], float] = time.perf_counter) -> FrontendResult:
-    from engine.async_engine import AsyncEngine
-    from engine.core_client import AsyncEngineCoreClient
+    from engine.frontend.async_engine import AsyncEngine
+    from engine.frontend.core_client import AsyncEngineCoreClient
     from engine.ipc import frontend_codec
     from server.serving_completions import CompletionChunkWriter
 

@@ -42,15 +42,15 @@ else PY=python3; fi
 if [[ -n ${FETCH:-} ]]; then exec "$PY" -m benchmarks.gpu_check_deps fetch; fi
 
 KERNEL_TESTS=(
-    tests/test_gpu_kernels.py
-    tests/test_gpu_memory.py
+    tests/gpu/test_gpu_kernels.py
+    tests/gpu/test_gpu_memory.py
     tests/test_kernels.py::test_reshape_and_cache_matches_reference
     tests/test_kernels.py::test_paged_attention_matches_reference
     tests/test_kernels.py::test_paged_attention_half_precision
     tests/test_kernels.py::test_paged_attention_shapes
     tests/test_kernels.py::test_kernels_accept_strided_views
 )
-PARITY_TESTS=(tests/test_gpu_parity.py)
+PARITY_TESTS=(tests/gpu/test_gpu_parity.py)
 SITE=/tmp/site
 SCRIPT=$0
 # The limits are the GPU machine's; a dry run on a shared CPU machine gets more time.

@@ -7,8 +7,12 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 def __getattr__(name: str):
     # The offline API pulls in torch and transformers: import it only when asked for.
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
-        from engine import llm
+    if name == "LLM":
+        from engine.frontend.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from engine import request_output
+
+        return getattr(request_output, name)
     raise AttributeError(name)

@@ -48,7 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
-    # Schedule step N+1 while step N runs (engine/core.py): the engine's own work
+    # Schedule step N+1 while step N runs (engine/core/core.py): the engine's own work
     # then hides behind the model's instead of adding to it.
     async_scheduling: bool = False
     max_model_len: int = 2048  # resolved from ModelConfig at start-up

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from engine.core import KVCacheInfo
-from engine.outputs import EngineCoreOutputs
+from engine.outputs import EngineCoreOutputs, KVCacheInfo
 from engine.request import EngineCoreRequest
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -57,7 +56,7 @@ class Ping(msgspec.Struct, tag="ping"):
 
 
 class XrayCall(msgspec.Struct, tag="xray"):
-    """Ask for an engine x-ray snapshot (engine/xray.py); the core's loop answers with
+    """Ask for an engine x-ray snapshot (engine/core/xray.py); the core's loop answers with
     XrayResult(call_id) between two steps. Call ids share UtilityCall's counter."""
 
     call_id: int

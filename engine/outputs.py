@@ -1,10 +1,20 @@
-"""Typed handoffs out of the model runner and out of the engine core."""
+"""Typed handoffs out of the executor and the model runner, and out of the engine core."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import msgspec
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What start-up found out about the model and its KV cache (`Executor.initialize`)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
 
 
 @dataclass

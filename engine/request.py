@@ -104,7 +104,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # Async scheduling: tokens sampled by steps still running, not yet appended
-        # (their positions may already be scheduled; see engine/core.py).
+        # (their positions may already be scheduled; see engine/core/core.py).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0

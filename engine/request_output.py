@@ -1,4 +1,4 @@
-"""What the frontend engine hands its callers: detokenized, per-request outputs.
+"""What the front end hands its callers (AsyncEngine, LLM): detokenized, per-request outputs.
 
 A `RequestOutput` always lists every one of the request's `n` sequences, each as a
 `CompletionOutput` carrying both the cumulative state and the delta since the
@@ -30,6 +30,24 @@ class SampleLogprob:
     top: list[TopLogprob] = field(default_factory=list)
 
 
+class SampleLogprobs(list[SampleLogprob]):
+    """A sequence's logprobs, one `SampleLogprob` per position; also readable by column
+    (`token_ids[i]` = the chosen id then the top ids of position i, as the engine core's
+    `Logprobs` rows are), for callers that compare numbers rather than tokens."""
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [[entry.token_id] + [top.token_id for top in entry.top] for entry in self]
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        return [[entry.logprob] + [top.logprob for top in entry.top] for entry in self]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [entry.rank for entry in self]
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -37,8 +55,8 @@ class CompletionOutput:
     delta_text: str  # new since the previous RequestOutput
     token_ids: list[int]
     delta_token_ids: list[int]
-    logprobs: list[SampleLogprob] | None = None  # None unless logprobs were requested
-    delta_logprobs: list[SampleLogprob] | None = None
+    logprobs: SampleLogprobs | None = None  # None unless logprobs were requested
+    delta_logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 

@@ -38,14 +38,11 @@ from typing import Any, Literal
 import anyio
 import uvicorn
 
-from engine.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.config import EngineConfig
-from engine.core_client import (
-    DEFAULT_STARTUP_TIMEOUT_S,
-    AsyncSharedCoreClient,
-    start_async_client,
-)
-from engine.core_proc import ExecutorSpec
+from engine.executor.abstract import ExecutorSpec
+from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
+from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
 from server.app import build_app
 from server.lifecycle import ServerLimits

@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from engine.async_engine import EngineRequestError
+from engine.frontend.async_engine import EngineRequestError
 from server.access_log import AccessLogMiddleware
 from server.body_limit import RequestSizeLimit
 from server.errors import ERROR_RESPONSES, APIError, from_exception, install_error_handlers

@@ -332,7 +332,7 @@ def _served_name(source, model_dir: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from engine.core_client import EngineStartupError
+    from engine.frontend.core_client import EngineStartupError
     from engine.model_loader.source import ModelSourceError, resolve_model
     from server.api_server import APIServer, ServeOptions
     from server.xray import XrayOptions
@@ -355,7 +355,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.node_rank > 0:  # a node of worker ranks only: no HTTP server, no engine core
-        from engine.distributed.launcher import run_worker_node
+        from engine.executor.launcher import run_worker_node
 
         try:
             return run_worker_node(config, args.log_level)
@@ -401,10 +401,11 @@ def _run_launcher(args: argparse.Namespace, options, config: EngineConfig, model
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from benchmarks import serve as bench_serve  # lazy: only this subcommand needs it
+    """`bench serve ARGS` is `python -m benchmarks.serve ARGS`, run as its own program:
+    the server imports nothing of benchmarks/ (which is a client of it)."""
+    import subprocess
 
-    result = bench_serve.main(list(args.bench_args))
-    return result if isinstance(result, int) else 0
+    return subprocess.call([sys.executable, "-m", "benchmarks.serve", *args.bench_args])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

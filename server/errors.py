@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineRequestError, EngineUnresponsiveError
-from engine.core_client import EngineDeadError
-from engine.input_checks import PromptError
+from engine.frontend.async_engine import EngineRequestError, EngineUnresponsiveError
+from engine.frontend.core_client import EngineDeadError
+from engine.frontend.processor import PromptError
 from engine.sampling_params import SamplingParamsError
 from server.protocol import ErrorInfo, ErrorResponse
 

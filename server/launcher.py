@@ -5,7 +5,7 @@
       ├─ creates PROMETHEUS_MULTIPROC_DIR (a temporary directory, removed at exit)
       ├─ engine core   (SharedCoreProcess: one process; its input is a ROUTER that every
       │                 frontend shares, its outputs one PUSH per frontend; see
-      │                 engine/core_proc.py and engine/ipc.py)
+      │                 engine/core/core_proc.py and engine/ipc.py)
       └─ API server k, k = 0..N-1 (spawned): uvicorn on the inherited listening socket,
                         its own tokenizer, AsyncEngine (detokenization, SSE),
                         AsyncSharedCoreClient and multiprocess metrics
@@ -62,8 +62,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.core_client import EngineStartupError, SharedCoreProcess
-from engine.core_proc import ExecutorSpec
+from engine.executor.abstract import ExecutorSpec
+from engine.frontend.core_client import EngineStartupError
+from engine.frontend.shared_core_client import SharedCoreProcess
 from engine.ipc import SharedCoreLink
 from server.api_server import APIServer, ServeOptions, bind_socket
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 

@@ -41,7 +41,7 @@ prometheus-client's multiprocess mode. Every process writes its values to files 
 the launcher's PROMETHEUS_MULTIPROC_DIR, and /metrics on any of them renders the sum
 over all of them (counters, histograms), so every frontend reports the whole server.
 The engine core sends its per-step SchedulerStats to API server 0 only
-(engine/core_proc.STATS_FRONTEND), so the step metrics are counted once; their gauges
+(engine/core/shared_core.py, STATS_FRONTEND), so the step metrics are counted once; their gauges
 take the most recently set value of any process ("mostrecent"). Per process: only
 `cache_config_info` (an Info, which multiprocess mode lacks; every process sets the
 same labels, so each exposes the same series).
@@ -61,10 +61,10 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from engine.async_engine import EngineRequestError
 from engine.config import CacheConfig
-from engine.core_client import EngineDeadError
-from engine.input_checks import PromptError
+from engine.frontend.async_engine import EngineRequestError
+from engine.frontend.core_client import EngineDeadError
+from engine.frontend.processor import PromptError
 from engine.outputs import SchedulerStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParamsError
@@ -244,7 +244,7 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- start-up
     def set_cache_config(self, cache_config: CacheConfig, kv_cache_info) -> None:
-        """Publish `pagedserve:cache_config_info` (kv_cache_info: engine.core.KVCacheInfo)."""
+        """Publish `pagedserve:cache_config_info` (kv_cache_info: engine.outputs.KVCacheInfo)."""
 
         def text(value) -> str:
             if value is None:

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.input_checks import check_prompt
+from engine.frontend.processor import check_prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
@@ -66,7 +66,7 @@ class StreamChunkWriter:
 
     Nearly every chunk is one unfinished choice with a plain delta and no logprobs:
     those are written from a template around the request's fixed fields, byte for
-    byte what the pydantic model writes (tests/test_server_units.py checks each
+    byte what the pydantic model writes (tests/unit/server/test_server_units.py checks each
     subclass) at a fraction of its cost; any other chunk goes through
     `response_type`. Subclasses set `object_name` and `response_type`.
     """

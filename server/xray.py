@@ -4,7 +4,7 @@
                                     younger than its interval?  the cached JSON bytes
                                     else one refresh, shared by every waiting viewer:
                                       XrayCall ─▶ engine core (between two steps)
-                                      ─▶ XraySnapshot (engine/xray.py) ─▶ JSON, cached
+                                      ─▶ XraySnapshot (engine/xray_schema.py) ─▶ JSON, cached
 
 However many viewers poll, the core builds at most one snapshot per interval: at least
 `min_interval_s`, and long enough that building snapshots takes at most `max_core_share`
@@ -27,18 +27,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
-from engine.xray import XrayLimits, XraySnapshot
+from engine.xray_schema import XrayLimits, XraySnapshot
 from server.errors import APIError, from_exception
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from server.state import ServerState
+    from engine.frontend.async_engine import AsyncEngine
 
 PAGE_RESOURCE = "static/xray.html"
 _NO_STORE = {"Cache-Control": "no-store"}
@@ -172,7 +171,20 @@ def load_page() -> str:
     return resources.files("server").joinpath(PAGE_RESOURCE).read_text(encoding="utf-8")
 
 
-def install_xray_routes(app: FastAPI, state: ServerState) -> SnapshotCache | None:
+class XrayHost(Protocol):
+    """What the x-ray routes read of the server's state (server.state.ServerState, which
+    holds this module's XrayOptions: so this module names it only by shape)."""
+
+    xray: XrayOptions
+    engine: AsyncEngine
+    tokenizer: Any
+    api_key: str | None
+
+    @property
+    def model_name(self) -> str: ...
+
+
+def install_xray_routes(app: FastAPI, state: XrayHost) -> SnapshotCache | None:
     """Add GET /xray and GET /xray/state unless --no-xray; returns their cache."""
     options = state.xray
     if not options.enabled:

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.block_hash import BlockHash
 from engine.kv_cache.block_pool import BlockPool
 
-if TYPE_CHECKING:  # engine.request imports engine.kv_cache: a runtime import would cycle
-    from engine.request import Request
+
+class Request(Protocol):
+    """What the manager reads of a request: engine.request.Request (which imports this
+    package for its block hashes, so the manager names it only by shape)."""
+
+    req_id: str
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
+    sampling_params: Any  # SamplingParams: only .prompt_logprobs is read
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,0 +1,311 @@
+"""EngineCore in its own process (or a background thread): the busy loop.
+
+    frontend                      core process
+    --------                      ------------
+    PUSH input.sock  ──────────▶  input thread: decode ─▶ input_queue
+                                  main thread:  busy loop
+                                     idle?  block on input_queue
+                                     else   drain input_queue (Ping -> Pong), step(),
+                                            queue outputs
+    PULL output.sock ◀──────────  output thread: output_queue ─▶ encode ─▶ send
+
+The model step runs in the main thread; decoding and encoding happen in the two
+I/O threads (zmq releases the GIL while it waits), so the frontend's Python never
+delays a step and a step never delays the frontend. The process exits when the
+frontend sends Shutdown, when its parent process is gone, or after sending EngineDead.
+
+A core shared by N frontends (`serve --api-server-count N`) runs the same loop:
+engine/core/shared_core.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.core import EngineCore
+from engine.executor.abstract import ExecutorSpec
+from engine.ipc import (
+    UTILITY_METHODS,
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    EngineDead,
+    FrontendMessage,
+    Outputs,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    StartupError,
+    UtilityCall,
+    UtilityResult,
+    XrayCall,
+    XrayResult,
+    core_codec,
+)
+from engine.outputs import EngineCoreOutput, EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+_EMPTY_STEP_WAIT_S = 0.005
+# The core runs at the default CPU priority (PAGEDSERVE_CORE_NICE=N lowers it). It
+# once ran at nice +5 to keep /health fast during long prefills; but then any other
+# busy process on the machine -- a client, a sidecar, a test -- starved the compute
+# thread sharing its core, and since every parallel region waits for its slowest
+# thread, one greedy request ran 20x slower. The core's threads follow the CPUs it
+# may use (`configure_compute_threads`) and sleep at barriers (OMP_WAIT_POLICY,
+# set by the frontend in engine/frontend/core_client.py).
+
+
+def configure_compute_threads(requested: int | None = None) -> int:
+    """One torch compute thread per CPU this process may use (affinity, cgroup quota),
+    or `requested` (--cpu-threads); returns the count. More threads than CPUs would
+    have every parallel region wait for a thread that is not running."""
+    import torch
+
+    from engine import cpu_info
+
+    num_threads = requested or cpu_info.cpu_budget().num_threads
+    torch.set_num_threads(num_threads)
+    logger.info("compute threads: %d (%s)", num_threads,
+                "--cpu-threads" if requested else cpu_info.describe())
+    return num_threads
+
+
+def build_engine_core(config: EngineConfig, executor_spec: ExecutorSpec | None) -> EngineCore:
+    executor = executor_spec.build(config) if executor_spec is not None else None
+    return EngineCore(config, executor)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, the model's modules:
+    ~200k tracked objects) out of the garbage collector's reach, as vLLM's core does.
+    Otherwise each full collection walks them all: measured with benchmarks.engine_overhead
+    (256 decodes), one collection per ~120 steps that held a step for 160-170 ms. The
+    process exits with os._exit, so nothing is unfrozen."""
+    gc.collect()
+    gc.freeze()
+
+
+class EngineCoreProc:
+    """Runs an EngineCore from an input queue; hands every message out via `send`.
+
+    `send` is called from the loop's thread; it must not block for long.
+    """
+
+    def __init__(self, core: EngineCore, send: Callable[[CoreMessage], None]):
+        self.core = core
+        self.input_queue: queue.Queue[FrontendMessage] = queue.Queue()
+        self._send = send
+        self._running = True
+
+    def run_busy_loop(self) -> None:
+        """Loop until Shutdown. Raises if a step fails beyond one request's error."""
+        idle_reported = True
+        while self._running:
+            if not self.core.has_unfinished_requests():
+                if not idle_reported:
+                    # Going idle (e.g. the last request was aborted, which makes no
+                    # output): an empty step tells the runner which requests finished
+                    # and sends fresh stats, so gauges do not keep stale values.
+                    self._send(Outputs(self.core.step()))
+                    idle_reported = True
+                self._handle(self.input_queue.get())  # idle: sleep on the queue
+            self._drain_input()
+            if self._running and self.core.has_unfinished_requests():
+                idle_reported = False
+                self._step()
+
+    def _drain_input(self) -> None:
+        while self._running:
+            try:
+                message = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(message)
+
+    def _step(self) -> None:
+        steps_before = (self.core.num_steps, self.core.num_steps_applied)
+        outputs = self.core.step()
+        if outputs.outputs or (self.core.num_steps, self.core.num_steps_applied) != steps_before:
+            self._send(Outputs(outputs))
+            return
+        # Work exists but nothing could be scheduled: wait a little for input instead
+        # of spinning (e.g. everything waiting on KV blocks held by aborted requests).
+        try:
+            self._handle(self.input_queue.get(timeout=_EMPTY_STEP_WAIT_S))
+        except queue.Empty:
+            pass
+
+    def _handle(self, message: FrontendMessage) -> None:
+        if isinstance(message, AddRequest):
+            request = message.request
+            try:
+                self.core.add_request(request)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                logger.warning("rejected request %s: %s", request.req_id, exc)
+                failed = EngineCoreOutput(request.req_id, [], "error", error=str(exc))
+                self._send(Outputs(EngineCoreOutputs(outputs=[failed], timestamp=time.time())))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.req_ids)
+        elif isinstance(message, Ping):
+            # An idle engine learns of a dead worker rank here, not only at its next step
+            # (the multiprocess executor raises WorkerDiedError, which ends the loop).
+            check_health = getattr(self.core.executor, "check_health", None)
+            if check_health is not None:
+                check_health()
+            self._send(Pong(message.ping_id))  # between two steps: the loop is alive
+        elif isinstance(message, UtilityCall):
+            self._send(self._call_utility(message))
+        elif isinstance(message, XrayCall):
+            self._send(self._xray_snapshot(message))  # encoded by the output thread
+        elif isinstance(message, Shutdown):
+            self._running = False
+        else:  # pragma: no cover - the codec only decodes the union above
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in UTILITY_METHODS:
+            return UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, result=getattr(self.core, call.method)())
+        except Exception as exc:  # noqa: BLE001
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+    def _xray_snapshot(self, call: XrayCall) -> XrayResult:
+        try:
+            return XrayResult(call.call_id, snapshot=self.core.xray_snapshot(call.limits))
+        except Exception as exc:  # noqa: BLE001 - a viewer's bug must not stop serving
+            logger.exception("x-ray snapshot failed")
+            return XrayResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit hard when the frontend process is gone (we were re-parented)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(_PARENT_POLL_S)
+
+
+def prepare_core_process(config: EngineConfig, parent_pid: int, log_level: str) -> None:
+    """Signals, priority, logging, the parent watch, CPUs: before any socket or thread."""
+    # The frontend decides when we stop (it drains requests first, then sends Shutdown);
+    # a Ctrl-C or SIGTERM sent to the whole process group must not kill us mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    niceness = int(os.environ.get("PAGEDSERVE_CORE_NICE", "0"))
+    if niceness:
+        with contextlib.suppress(OSError):  # before any thread starts: they inherit it
+            os.nice(niceness)
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [engine-core pid={os.getpid()}] %(name)s: %(message)s",
+    )
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="parent-watch").start()
+    if config.device_config.cpu_layout == "split":
+        from engine import cpu_info
+
+        cpu_info.pin_this_process(cpu_info.split_cpus(cpu_info.cpu_budget().affinity)[1])
+    configure_compute_threads(config.device_config.cpu_threads)
+
+
+def run_until_stopped(proc: EngineCoreProc, put_output: Callable[[Any], None],
+                       output_thread: threading.Thread,
+                       addressed: Callable[[EngineDead], Any]) -> int:
+    """Run the busy loop until Shutdown (exit code 0) or a fatal error (1: EngineDead is
+    queued first, wrapped by `addressed`); then let the output thread send what is queued
+    and shut the executor down."""
+    exit_code = 0
+    try:
+        proc.run_busy_loop()
+    except BaseException as exc:  # noqa: BLE001 - tell the frontends before dying
+        logger.exception("engine core died")
+        put_output(addressed(EngineDead(f"{type(exc).__name__}: {exc}")))
+        exit_code = 1
+    put_output(None)
+    output_thread.join(timeout=5)
+    try:
+        proc.core.shutdown()
+    except Exception:  # noqa: BLE001
+        logger.exception("executor shutdown failed")
+    return exit_code
+
+
+def run_engine_core(
+    config: EngineConfig,
+    executor_spec: ExecutorSpec | None,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    log_level: str = "INFO",
+) -> None:
+    """Entry point of the core process (start method: spawn).
+
+    Sends Ready or StartupError first, then Outputs per step. Exit code 0 after
+    Shutdown, 1 after a start-up failure or a fatal error (EngineDead is sent first).
+    """
+    import zmq
+
+    prepare_core_process(config, parent_pid, log_level)
+    context = zmq.Context()
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    codec = core_codec()
+
+    try:
+        core = build_engine_core(config, executor_spec)
+    except BaseException as exc:  # noqa: BLE001 - report every start-up failure
+        logger.error("engine core failed to start: %s", exc)
+        message = f"{type(exc).__name__}: {exc}"
+        output_socket.send(codec.encode(StartupError(message, traceback.format_exc())))
+        input_socket.close(linger=0)
+        output_socket.close(linger=5000)
+        context.term()  # returns once StartupError is delivered (or the linger ran out)
+        os._exit(1)
+    freeze_startup_heap()
+
+    output_queue: queue.Queue[CoreMessage | None] = queue.Queue()
+    proc = EngineCoreProc(core, output_queue.put)
+
+    def send_outputs() -> None:
+        out_codec = core_codec()
+        while (message := output_queue.get()) is not None:
+            output_socket.send(out_codec.encode(message), copy=False)
+
+    def receive_inputs() -> None:
+        in_codec = core_codec()
+        while True:
+            try:
+                data = input_socket.recv(copy=False)
+            except zmq.ContextTerminated:
+                input_socket.close(linger=0)
+                return
+            proc.input_queue.put(in_codec.decode(data.buffer))
+
+    output_thread = threading.Thread(target=send_outputs, daemon=True, name="core-output")
+    output_thread.start()
+    threading.Thread(target=receive_inputs, daemon=True, name="core-input").start()
+    output_queue.put(Ready(core.kv_cache_info, os.getpid()))
+    logger.info("engine core ready: %s", core.kv_cache_info)
+
+    exit_code = run_until_stopped(proc, output_queue.put, output_thread, lambda dead: dead)
+    output_socket.close(linger=2000)
+    context.term()  # unblocks the input thread, which closes its socket; flushes output
+    os._exit(exit_code)

@@ -1,0 +1,194 @@
+"""The offline API: `LLM(model).generate(prompts, params)` over an in-process EngineCore.
+
+The same front-end pipeline as the server's AsyncEngine: a Processor checks each prompt
+and fans it out into n core requests; the OutputProcessor detokenizes, applies stop
+strings and collects logprobs; the results are the server's `RequestOutput`s, finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_size,
+)
+from engine.core.core import EngineCore
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.processor import Processor
+from engine.request_output import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Generate offline, in this process.
+
+    Example:
+        llm = LLM(dtype="float32")                   # the default SmolLM2 model
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        quantization: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        kv_cache_memory: str | int | None = None,
+        kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        device: str = "auto",
+        attention_backend: str = "auto",
+        policy: str = "fcfs",
+        async_scheduling: bool = False,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        batch_invariant: bool = False,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+    ):
+        from transformers import AutoTokenizer
+
+        from engine.model_loader import resolve_model
+
+        resolved = resolve_model(model)
+        self.model_dir = resolved.path
+        self.tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        config = EngineConfig(
+            model_config=ModelConfig(model=resolved.path, dtype=dtype, quantization=quantization,
+                                     max_model_len=max_model_len, seed=seed,
+                                     enforce_eager=enforce_eager,
+                                     batch_invariant=batch_invariant),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
+                kv_cache_dtype=kv_cache_dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+                async_scheduling=async_scheduling,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                           enable_expert_parallel=enable_expert_parallel),
+            device_config=DeviceConfig(device=device, attention_backend=attention_backend),
+        )
+        self.engine_core = EngineCore(config)
+        self.max_model_len = self.engine_core.kv_cache_info.max_model_len
+        self.processor = Processor(self.tokenizer, self.max_model_len,
+                                   self.engine_core.kv_cache_info.vocab_size,
+                                   self.tokenizer.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (with tensor_parallel_size > 1: its worker processes); idempotent."""
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- public API
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("give one SamplingParams, or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the generation prompt), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---------------------------------------------------------------- internals
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Add every request (raises PromptError before any is added), then step the core
+        until all are done."""
+        core, output_processor = self.engine_core, self.output_processor
+        processed = [
+            self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time())
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ]
+        states = [output_processor.add_request(request) for request in processed]
+        for request in processed:
+            for core_request in request.core_requests:
+                core.add_request(core_request)
+        num_sequences = len(output_processor.sequences)
+        progress = tqdm(total=num_sequences, desc="generate", disable=not use_tqdm)
+        try:
+            while core.has_unfinished_requests():
+                step = core.step()
+                now, to_abort = time.time(), []
+                for out in step.outputs:
+                    state = output_processor.process_output(out, now, to_abort)
+                    if state is not None and state.error is not None:
+                        raise RuntimeError(state.error)
+                if to_abort:
+                    core.abort_requests(to_abort)
+                # A finished sequence leaves `sequences`.
+                progress.update(num_sequences - len(output_processor.sequences) - progress.n)
+        finally:
+            progress.close()
+            for state in states:
+                output_processor.remove_request(state)
+        results = []
+        for state in states:
+            state.metrics.finished_time = time.time()
+            results.append(OutputProcessor.make_output(state))
+        return results

@@ -1,0 +1,1 @@
+"""Tests of the packaging and deployment files, and of a live Prometheus."""

@@ -1,0 +1,1 @@
+"""Tests that need a CUDA device (marked gpu; skipped without one)."""

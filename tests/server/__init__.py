@@ -1,0 +1,1 @@
+"""Tests of the HTTP server: the OpenAI API, metrics, x-ray, tools, several API servers."""

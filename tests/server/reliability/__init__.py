@@ -1,0 +1,1 @@
+"""Reliability of a running server: disconnects, faults, limits, long prompts, shutdown, fuzzing."""

@@ -1,0 +1,1 @@
+"""Unit tests, laid out like the code."""
