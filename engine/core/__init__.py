@@ -8,9 +8,3 @@
 Kept light on purpose: it imports nothing of the core itself, so importing the package
 costs nothing and closes no cycle.
 """
-
-# engine/worker/executor.py imports KVCacheInfo from here (it lives in engine.outputs);
-# kept until that file imports it from engine.outputs (.importlinter ignores this edge).
-from engine.outputs import KVCacheInfo
-
-__all__ = ["KVCacheInfo"]

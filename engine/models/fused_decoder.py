@@ -111,9 +111,8 @@ class FusedDecoderStack:
 
 
 def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
-    from engine.models.llama import DecoderLayer  # llama imports this module
-
-    if not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, GatedMLP):
+    # `layer` is a DecoderLayer (engine.models.llama builds the stack over its own layers).
+    if not isinstance(layer.mlp, GatedMLP):
         return False
     attn = layer.self_attn
     if attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:

@@ -57,7 +57,7 @@ class GGUFWeight:
         self.ggml_type = ggml_type
         self.out_features = raw.shape[0]
         self.in_features = in_features
-        self.max_rows = default_max_rows() if max_rows is None else max_rows
+        self.max_rows = default_max_rows("gguf") if max_rows is None else max_rows
         self._kernel = _kernels()
 
     @property
@@ -144,7 +144,7 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     blocks = raw.reshape(n, -1, block_bytes)
     groups = blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
-    max_rows = default_max_rows() if max_rows is None else max_rows
+    max_rows = default_max_rows(spec.method) if max_rows is None else max_rows
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:

@@ -42,19 +42,28 @@ GROUP_SIZE = 32
 KERNEL_CALLS: Counter[str] = Counter()
 
 
-def default_max_rows() -> int:
-    """Largest batch for which the quantized kernels beat a dense matmul on this CPU.
+def default_max_rows(kind: str = "int4") -> int:
+    """Largest batch for which a packed weight's few-row kernel beats its tiled path
+    (decoded tiles and one matmul) on this CPU; `kind` "int4", "int8" or "gguf" (the
+    K-quant kernels of kernels/cpu/gguf_linear.cpp).
 
-    `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: never use the quantized kernels).
-    Measured on SmolLM2's linears, 2 threads (benchmarks/linear_chain.py).
+    `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: always the tiled path). Measured with
+    `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with native bf16
+    (AMX), tiles multiply almost for free and the crossover is where the few-row
+    kernel's per-row work passes the decoding of a tile; in float32 (no native bf16) the
+    matmul itself costs more and the few-row kernels keep up to ~32 rows.
     """
     override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
     if override:
         return int(override)
-    # AVX2-only EPYC, 2 threads: int4 144.5 ms vs float32 242.5 ms at 32 rows (int4
-    # 14.6 vs 67.0 ms at 1 row). Native-bf16 CPUs have far faster dense bf16 matmuls;
-    # their crossover was not measured with the int16-activation kernels: kept at 8.
-    return 8 if cpu_info.native_bf16_reason() else 32
+    if not cpu_info.native_bf16_reason():
+        # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
+        # 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a float32 matmul's 242.5 at 32.)
+        return 32
+    # bfloat16 tiles on AMX, ms per layer few-row / tiled: Q4_K 8 rows 14.7 / 12.3,
+    # Q6_K 8: 13.1 / 14.2; int4 8: 15.1 / 19.7, 16: 28.2 / 18.3; int8 8: 13.0 / 18.5,
+    # 16: 27.9 / 17.1.
+    return 8 if kind == "gguf" else 12
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
     n, k = weight.shape
     if not can_quantize(n, k):
         raise ValueError(f"cannot quantize a [{n}, {k}] weight: K must be a multiple of 32")
-    max_rows = default_max_rows() if max_rows is None else max_rows
+    max_rows = default_max_rows(spec.method) if max_rows is None else max_rows
     w = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
     if spec.method == "int8":
         # Worked example, a group [0.5, -1.27, 0.1, ...]: scale = 1.27 / 127 = 0.01,

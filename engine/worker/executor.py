@@ -1,8 +1,8 @@
 """Executors: load the model, size the KV cache, run steps.
 
 `Worker` is one rank's part (model runner + KV cache). `ModelExecutor` runs one
-Worker in the engine core's process; `engine.distributed.multiproc_executor` runs
-one per tensor-parallel rank in worker processes. `make_executor` picks.
+Worker in the engine core's process; `engine.executor.multiproc_executor` runs one per
+tensor-parallel rank in worker processes; `engine.executor.abstract.make_executor` picks.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch
 
 from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
-from engine.core import KVCacheInfo
 from engine.kv_cache.manager import cdiv
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import KVCacheInfo, ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker import kv_cache_init
 from engine.worker.cuda_graphs import DecodeGraphConfig
@@ -211,12 +210,3 @@ class ModelExecutor:
 
     def shutdown(self) -> None:
         self.worker = None
-
-
-def make_executor(config: EngineConfig):
-    """The executor for `config`: one process, or one worker process per TP rank."""
-    if config.parallel_config.tensor_parallel_size > 1:
-        from engine.distributed.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    return ModelExecutor(config)

@@ -14,6 +14,7 @@
 //   d * dx; Q4_K's min term is d_min * dx * sum_j m_j sum(xq of sub-block j), from sums
 //   kept beside xq. Other types decode each weight row to float once per call and take
 //   float dot products with every row of x.
+//   (AVX-512 machines run the same kernels on 512-bit vectors, vpdpwssd with VNNI.)
 //   Each (row, output) is computed by the same instructions in the same order whatever
 //   M is or which other rows share the call: the few-row path is batch invariant.
 //
@@ -200,6 +201,111 @@ void q6k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The same two kernels on 512-bit vectors (half the instructions per weight; with
+// AVX512-VNNI each multiply-add-accumulate is one vpdpwssd). Same integer sums, so the
+// same bounds; the float accumulation runs in 16 lanes instead of 8.
+inline __m512i dot_accumulate(__m512i acc, __m512i w, const int16_t* x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512(x));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_loadu_si512(x)));
+#endif
+}
+
+template <int R>
+void q4k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
+                  int64_t out_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 acc[R];
+  float min_acc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    min_acc[r] = 0.f;
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* block = wrow + g * 144;
+    const float d = gguf::half_at(block), dmin = gguf::half_at(block + 2);
+    uint8_t sc[8], mn[8];
+    gguf::unpack_k4_scales(block + 4, sc, mn);
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {  // 64 elements: low nibbles sub-block 2c, high 2c + 1
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      const __m512i w0 = _mm512_mullo_epi16(
+          _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, low4)), _mm512_set1_epi16(sc[2 * c]));
+      const __m512i w1 = _mm512_mullo_epi16(
+          _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4)),
+          _mm512_set1_epi16(sc[2 * c + 1]));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = a.q.data() + (m0 + r) * a.cols + g * kSuper + 64 * c;
+        sums[r] = dot_accumulate(dot_accumulate(sums[r], w0, x), w1, x + 32);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float dx = a.scale[(m0 + r) * a.groups + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * dx), acc[r]);
+      const int32_t* xs = a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32;
+      int32_t min_sum = 0;
+      for (int j = 0; j < 8; ++j) min_sum += mn[j] * xs[j];
+      min_acc[r] += dmin * dx * static_cast<float>(min_sum);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = _mm512_reduce_add_ps(acc[r]) - min_acc[r];
+}
+
+template <int R>
+void q6k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
+                  int64_t out_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  const __m256i bias = _mm256_set1_epi8(32);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* block = wrow + g * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = gguf::half_at(block + 208);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
+      };
+      __m512i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const int s = 8 * h + 2 * t;  // the first 16 values in sub-block s, the next in s + 1
+        const __m512i scale = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set1_epi16(sc[s])), _mm256_set1_epi16(sc[s + 1]), 1);
+        const __m512i w = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(v[t], bias)),
+                                             scale);
+        for (int r = 0; r < R; ++r)
+          sums[r] = dot_accumulate(
+              sums[r], w, a.q.data() + (m0 + r) * a.cols + g * kSuper + 128 * h + 32 * t);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float dx = a.scale[(m0 + r) * a.groups + g];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * dx), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+#define Q4K_ROWS q4k_rows_512
+#define Q6K_ROWS q6k_rows_512
+#elif defined(__AVX2__)
+#define Q4K_ROWS q4k_rows
+#define Q6K_ROWS q6k_rows
+#endif
+
 bool has_integer_kernel(int64_t type) {
 #if defined(__AVX2__)
   return type == gguf::Q4_K || type == gguf::Q6_K;
@@ -237,12 +343,12 @@ at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_byte
         int64_t m0 = 0;
         if (type == gguf::Q4_K) {
           for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
-            q4k_rows<kRowBlock>(wrow, a, m0, op + n, num_out);
-          for (; m0 < rows; ++m0) q4k_rows<1>(wrow, a, m0, op + n, num_out);
+            Q4K_ROWS<kRowBlock>(wrow, a, m0, op + n, num_out);
+          for (; m0 < rows; ++m0) Q4K_ROWS<1>(wrow, a, m0, op + n, num_out);
         } else {
           for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
-            q6k_rows<kRowBlock>(wrow, a, m0, op + n, num_out);
-          for (; m0 < rows; ++m0) q6k_rows<1>(wrow, a, m0, op + n, num_out);
+            Q6K_ROWS<kRowBlock>(wrow, a, m0, op + n, num_out);
+          for (; m0 < rows; ++m0) Q6K_ROWS<1>(wrow, a, m0, op + n, num_out);
         }
       }
     });
@@ -260,6 +366,108 @@ at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_byte
 }
 
 using RowDecoder = std::function<void(int64_t row, float* dst)>;
+
+#if defined(__AVX2__)
+// 8 unsigned bytes -> 8 floats.
+inline __m256 bytes_to_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Vectorised float decoders for the tiles of the hot formats (the scalar ones of
+// gguf_blocks.h index every element; these take 8 at a time): the same values, tested
+// against gguf-py through the tiled path.
+
+void decode_q4k_row(const uint8_t* row, float* y, int64_t cols) {
+  alignas(32) uint8_t q[64];
+  for (int64_t g = 0; g < cols / kSuper; ++g, y += kSuper) {
+    const uint8_t* block = row + g * 144;
+    const float d = gguf::half_at(block), dmin = gguf::half_at(block + 2);
+    uint8_t sc[8], mn[8];
+    gguf::unpack_k4_scales(block + 4, sc, mn);
+    for (int c = 0; c < 4; ++c) {  // 64 elements: low nibbles sub-block 2c, high 2c + 1
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_and_si256(bytes, low4));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32),
+                         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        const __m256 scale = _mm256_set1_ps(d * sc[j]), offset = _mm256_set1_ps(-dmin * mn[j]);
+        for (int i = 0; i < 32; i += 8)
+          _mm256_storeu_ps(y + 64 * c + 32 * half + i,
+                           _mm256_fmadd_ps(bytes_to_floats(q + 32 * half + i), scale, offset));
+      }
+    }
+  }
+}
+
+void decode_q6k_row(const uint8_t* row, float* y, int64_t cols) {
+  alignas(32) int8_t q[128];
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  const __m256i bias = _mm256_set1_epi8(32);
+  for (int64_t g = 0; g < cols / kSuper; ++g, y += kSuper) {
+    const uint8_t* block = row + g * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = gguf::half_at(block + 208);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
+      };
+      for (int t = 0; t < 4; ++t)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * t), _mm256_sub_epi8(v[t], bias));
+      for (int i = 0; i < 128; i += 8) {
+        const __m256 values = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i))));
+        _mm256_storeu_ps(y + 128 * h + i,
+                         _mm256_mul_ps(values, _mm256_set1_ps(d * sc[8 * h + i / 16])));
+      }
+    }
+  }
+}
+#endif
+
+// One weight row in a GGUF format -> floats, vectorised where a decoder above exists.
+void decode_gguf_row(int64_t type, const uint8_t* row, float* y, int64_t cols) {
+#if defined(__AVX2__) && defined(__F16C__)
+  if (type == gguf::Q4_K) return decode_q4k_row(row, y, cols);
+  if (type == gguf::Q6_K) return decode_q6k_row(row, y, cols);
+#endif
+  gguf::dequantize_row(type, row, y, cols);
+}
+
+// floats -> bfloat16, round to nearest even (as c10::BFloat16(float) does; NaN aside,
+// which a decoded weight never is).
+void floats_to_bf16(const float* x, c10::BFloat16* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX2__)
+  const __m256i rounding = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, rounding), lsb), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
+                                            _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), packed);
+  }
+#endif
+  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
+}
 
 // The many-row path: tiles of decoded weight rows in x's dtype, one at::mm each.
 at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_row) {
@@ -280,8 +488,7 @@ at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_
         float* dst = dtype == at::kFloat ? tile.data_ptr<float>() + r * cols : buffer.data();
         decode_row(n0 + r, dst);
         if (dtype == at::kBFloat16) {
-          c10::BFloat16* t = tile.data_ptr<c10::BFloat16>() + r * cols;
-          for (int64_t k = 0; k < cols; ++k) t[k] = c10::BFloat16(buffer[k]);
+          floats_to_bf16(buffer.data(), tile.data_ptr<c10::BFloat16>() + r * cols, cols);
         } else if (dtype == at::kHalf) {
           c10::Half* t = tile.data_ptr<c10::Half>() + r * cols;
           for (int64_t k = 0; k < cols; ++k) t[k] = c10::Half(buffer[k]);
@@ -340,7 +547,7 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_r
     return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
   }
   return tiled(x, num_out, [&](int64_t n, float* dst) {
-    gguf::dequantize_row(type, weight + n * row_bytes, dst, cols);
+    decode_gguf_row(type, weight + n * row_bytes, dst, cols);
   });
 }
 
@@ -372,10 +579,21 @@ at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, 
       } else {
         const float lowest = m[n * groups + g];
         const uint8_t* q = w + n * (cols / 2) + g * 16;
-        for (int j = 0; j < 16; ++j) {
-          y[j] = lowest + scale * (q[j] & 0x0F);
-          y[j + 16] = lowest + scale * (q[j] >> 4);
-        }
+#if defined(__AVX2__)
+        // Bytes j hold q[j] | q[j + 16] << 4: low nibbles first, then high, 8 at a time.
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        alignas(16) uint8_t nibbles[32];
+        _mm_store_si128(reinterpret_cast<__m128i*>(nibbles), _mm_and_si128(packed, low4));
+        _mm_store_si128(reinterpret_cast<__m128i*>(nibbles + 16),
+                        _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+        const __m256 scale8 = _mm256_set1_ps(scale), lowest8 = _mm256_set1_ps(lowest);
+        for (int j = 0; j < 32; j += 8)
+          _mm256_storeu_ps(y + j, _mm256_fmadd_ps(bytes_to_floats(nibbles + j), scale8, lowest8));
+#else
+        for (int j = 0; j < 16; ++j) y[j] = lowest + scale * static_cast<float>(q[j] & 0x0F);
+        for (int j = 0; j < 16; ++j) y[j + 16] = lowest + scale * static_cast<float>(q[j] >> 4);
+#endif
       }
     }
   });
