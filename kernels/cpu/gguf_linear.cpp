@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -108,11 +109,10 @@ template <int R>
 void q4k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
               int64_t out_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[R];
-  float min_acc[R];
+  __m256 acc[R], min_acc[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_setzero_ps();
-    min_acc[r] = 0.f;
+    min_acc[r] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* block = wrow + g * 144;
@@ -136,16 +136,18 @@ void q4k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
                                                              madd_pair(w2, w3, x + 32)));
       }
     }
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
     for (int r = 0; r < R; ++r) {
       const float dx = a.scale[(m0 + r) * a.groups + g];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_set1_ps(d * dx), acc[r]);
-      const int32_t* xs = a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32;
-      int32_t min_sum = 0;
-      for (int j = 0; j < 8; ++j) min_sum += mn[j] * xs[j];
-      min_acc[r] += dmin * dx * static_cast<float>(min_sum);
+      // m_j * sum(xq of sub-block j) for the 8 sub-blocks at once (|.| < 63 * 2^20)
+      const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32));
+      min_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xs)),
+                                   _mm256_set1_ps(dmin * dx), min_acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]) - min_acc[r];
+  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = hsum(acc[r]) - hsum(min_acc[r]);
 }
 
 // Q6_K, rows m0..m0+R-1 against one weight row, a half block (128) at a time. Per half and
@@ -218,15 +220,15 @@ void q4k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* ou
                   int64_t out_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m512 acc[R];
-  float min_acc[R];
+  __m256 min_acc[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
-    min_acc[r] = 0.f;
+    min_acc[r] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* block = wrow + g * 144;
     const float d = gguf::half_at(block), dmin = gguf::half_at(block + 2);
-    uint8_t sc[8], mn[8];
+    alignas(8) uint8_t sc[8], mn[8];
     gguf::unpack_k4_scales(block + 4, sc, mn);
     __m512i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
@@ -242,16 +244,19 @@ void q4k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* ou
         sums[r] = dot_accumulate(dot_accumulate(sums[r], w0, x), w1, x + 32);
       }
     }
+    const __m256i mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
     for (int r = 0; r < R; ++r) {
       const float dx = a.scale[(m0 + r) * a.groups + g];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(d * dx), acc[r]);
-      const int32_t* xs = a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32;
-      int32_t min_sum = 0;
-      for (int j = 0; j < 8; ++j) min_sum += mn[j] * xs[j];
-      min_acc[r] += dmin * dx * static_cast<float>(min_sum);
+      // m_j * sum(xq of sub-block j) for the 8 sub-blocks at once (|.| < 63 * 2^20)
+      const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          a.sum32.data() + ((m0 + r) * a.cols + g * kSuper) / 32));
+      min_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mins, xs)),
+                                   _mm256_set1_ps(dmin * dx), min_acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[(m0 + r) * out_stride] = _mm512_reduce_add_ps(acc[r]) - min_acc[r];
+  for (int r = 0; r < R; ++r)
+    out[(m0 + r) * out_stride] = _mm512_reduce_add_ps(acc[r]) - hsum(min_acc[r]);
 }
 
 template <int R>
@@ -475,8 +480,12 @@ at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_
   // Tiles of ~16 MiB: few enough that the per-call costs of at::mm and of waking the
   // threads (a scheduler slice each when another process holds a core) stay small, small
   // enough to be transient. An lm_head of 49152 x 2048 in bfloat16: 12 tiles of 4096 rows.
+  static const int64_t tile_bytes = [] {
+    const char* env = std::getenv("PAGEDSERVE_TILE_KIB");
+    return (env ? std::atoll(env) : 16384) * 1024;
+  }();
   const int64_t tile_rows =
-      std::min(num_out, std::max<int64_t>(16, (int64_t{16} << 20) / (cols * x.element_size())));
+      std::min(num_out, std::max<int64_t>(16, tile_bytes / (cols * x.element_size())));
   at::Tensor out = at::empty({rows, num_out}, x.options());
   at::Tensor tile = at::empty({tile_rows, cols}, x.options());
   const auto dtype = x.scalar_type();
