@@ -3,7 +3,7 @@
 8 chat prompts, 64 greedy tokens each, fp32, token-exact up to the near-tie rule. The
 model is served as its GGUF stores it (--quantization auto: Q4_1 linears as int4, the
 Q8_0 embedding/lm_head as int8), and those integers dequantize exactly to the weights
-of the converted checkpoint transformers runs.
+of the GGUF file, which transformers loads (dequantized) itself.
 """
 
 from __future__ import annotations

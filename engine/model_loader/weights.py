@@ -138,11 +138,24 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
     model.eval().requires_grad_(False)
     report: QuantizationReport = quantize_model(model, quantization, device)
     model.quantization_report = report
+    _return_freed_memory()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s (%s, %s) from %s in %.1f s: %.1f MiB of dense weights; %s",
                 model_class.__name__, dtype, torch.device(device), gguf_file or model_dir,
                 time.perf_counter() - start, weight_bytes / 2**20, report.summary())
     return model
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading freed (repacking's temporaries) back to the OS: glibc
+    keeps freed arenas otherwise, and the process's RSS would count them for its life."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _packs_gguf(quantization: str, device: torch.device | str) -> tuple[bool, str]:
