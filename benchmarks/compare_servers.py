@@ -147,8 +147,9 @@ def server_command(args: argparse.Namespace, name: str, model_dir: str, gguf: Pa
         # prompt fits one slot without sizing every slot for it.
         slots = max(args.concurrency)
         context = slots * (args.input_len + args.output_len + LLAMACPP_SLOT_MARGIN)
-        unified = ["--kv-unified"] if args.prefill_len else []
-        context = max(context, args.prefill_len + LLAMACPP_SLOT_MARGIN)
+        prefill_len = getattr(args, "prefill_len", 0)
+        unified = ["--kv-unified"] if prefill_len else []
+        context = max(context, prefill_len + LLAMACPP_SLOT_MARGIN)
         return [str(args.llama_server_bin), "--model", str(gguf), *loopback,
                 "--parallel", str(slots), "--ctx-size", str(context), *unified,
                 *args.llamacpp_args]

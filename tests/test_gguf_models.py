@@ -90,8 +90,18 @@ def test_fallback_types_of_a_q4_k_m_file_are_repacked_exactly():
                                    atol=0, rtol=0)
 
 
+@pytest.fixture
+def restore_batch_invariance():
+    """The engine sets the process-wide switch; later tests in this process expect it off."""
+    from engine import batch_invariant
+
+    yield
+    batch_invariant.set_enabled(False)
+
+
 @needs_kernels
-def test_batch_invariance_same_tokens_and_logprobs_alone_or_beside_31_others():
+def test_batch_invariance_same_tokens_and_logprobs_alone_or_beside_31_others(
+        restore_batch_invariance):
     llm = LLM(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), dtype="float32", max_model_len=128,
               max_num_batched_tokens=64, batch_invariant=True)
     others = [[(13 * i + j) % 390 + 5 for j in range(5 + i % 40)] for i in range(31)]

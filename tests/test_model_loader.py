@@ -220,7 +220,11 @@ def test_default_model_matches_hf_and_answers(default_model):
         packed = [m for m in ours.modules() if getattr(m, "quantized", None) is not None]
         assert len(packed) == (121 if quantization == "auto" else 0)  # 30 x (qkv, o, gate_up, down) + lm_head
         logits = prefill_logits(ours, [prompt + answer])
-        assert_logits_close(logits, reference)
+        if quantization == "none":
+            assert_logits_close(logits, reference)
+        else:  # the int4 kernels round activations to int16 (1.5e-5 of a group's max)
+            scale = max(1.0, reference.abs().max().item())
+            torch.testing.assert_close(logits, reference, atol=1e-3 * scale, rtol=0)
         # Greedy decoding would produce the answer (teacher-forced: one forward pass). An
         # independent check of the GGUF loading, e.g. of Llama's q/k un-permutation.
         greedy = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
