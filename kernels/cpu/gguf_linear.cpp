@@ -103,6 +103,23 @@ inline __m256i madd_pair(__m256i w_lo, __m256i w_hi, const int16_t* x) {
       _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
 }
 
+// Q6_K: half h (0, 1) of a block as four vectors of 32 six-bit values q (unsigned,
+// 0..63): v[t] = elements 32t .. 32t + 31 of the half (see gguf_blocks.h for where the
+// bits sit: low nibbles of ql for t = 0, 1, high nibbles for t = 2, 3; bits 2t, 2t + 1
+// of qh above them).
+inline void q6k_half(const uint8_t* block, int h, __m256i v[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+  const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+  for (int t = 0; t < 4; ++t)
+    v[t] = _mm256_or_si256(
+        low[t], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), low2), 4));
+}
+
 // Q4_K, rows m0..m0+R-1 of x against one weight row. Per block and lane, the int32 sum
 // gathers 32 products of |q sc| <= 945 and |xq| <= 32767: < 9.9e8, no overflow.
 template <int R>
@@ -156,7 +173,6 @@ void q4k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
 template <int R>
 void q6k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
               int64_t out_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
   const __m256i bias = _mm256_set1_epi8(32);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -165,20 +181,8 @@ void q6k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const float d = gguf::half_at(block + 208);
     for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
-      // v[t] = elements 32t .. 32t + 31 of the half, as q - 32 in int8.
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(ql1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
-      };
+      __m256i v[4];
+      q6k_half(block, h, v);
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
       for (int t = 0; t < 4; ++t) {
@@ -262,7 +266,6 @@ void q4k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* ou
 template <int R>
 void q6k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
                   int64_t out_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
   const __m256i bias = _mm256_set1_epi8(32);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -271,19 +274,8 @@ void q6k_rows_512(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* ou
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const float d = gguf::half_at(block + 208);
     for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(ql1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
-      };
+      __m256i v[4];
+      q6k_half(block, h, v);
       __m512i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
@@ -410,26 +402,14 @@ void decode_q4k_row(const uint8_t* row, float* y, int64_t cols) {
 
 void decode_q6k_row(const uint8_t* row, float* y, int64_t cols) {
   alignas(32) int8_t q[128];
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03);
   const __m256i bias = _mm256_set1_epi8(32);
   for (int64_t g = 0; g < cols / kSuper; ++g, y += kSuper) {
     const uint8_t* block = row + g * 210;
     const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
     const float d = gguf::half_at(block + 208);
     for (int h = 0; h < 2; ++h) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(qh, low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(ql1, low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), low2), 4)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), low2), 4)),
-      };
+      __m256i v[4];
+      q6k_half(block, h, v);
       for (int t = 0; t < 4; ++t)
         _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * t), _mm256_sub_epi8(v[t], bias));
       for (int i = 0; i < 128; i += 8) {
