@@ -52,8 +52,10 @@ def server():
         resolve_model(None)
     except ModelSourceError as exc:
         pytest.skip(f"default model unavailable: {exc}")
+    # float32 on every CPU: the 12M KV cache then holds the same few blocks everywhere (a
+    # bfloat16 cache on a native-bf16 CPU would hold twice as many, and nothing preempts).
     proc = ServerProcess(["--port", "0", "--max-model-len", "256", "--kv-cache-memory", "12M",
-                          "--max-num-batched-tokens", "256"], env={})
+                          "--max-num-batched-tokens", "256", "--dtype", "float32"], env={})
     with serving(proc):
         yield proc
 
