@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -39,7 +40,10 @@ GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live t
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 3  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 4  # bump when the output format changes: old caches are then ignored
+# The dtype the cached config declares (what `--dtype auto` follows on CUDA): float32 up to
+# this many parameters, bfloat16 above.
+FLOAT32_MAX_PARAMS = 1_500_000_000
 
 # GGUF architecture -> (transformers model_type, HF architecture class name)
 _ARCHITECTURES = {
@@ -221,6 +225,7 @@ def config_from_gguf(gguf: GGUFFile):
     def meta(key: str, default=None):
         return gguf.get(f"{arch}.{key}", default)
 
+    num_params = sum(math.prod(t.shape) for t in gguf.tensors.values())
     embed_shape = gguf.tensors["token_embd.weight"].shape
     kwargs = dict(
         vocab_size=embed_shape[0],
@@ -239,7 +244,7 @@ def config_from_gguf(gguf: GGUFFile):
         eos_token_id=gguf.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=gguf.get("tokenizer.ggml.padding_token_id"),
         architectures=[class_name],
-        dtype="float32",
+        dtype="float32" if num_params <= FLOAT32_MAX_PARAMS else "bfloat16",
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors

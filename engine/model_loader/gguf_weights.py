@@ -41,7 +41,7 @@ from engine.model_loader.gguf import (
 )
 from engine.model_loader.gguf_file import GGUFFile
 from engine.models.gguf_weight import (
-    REPACKED_TYPES,
+    REPACKED_SPECS,
     GGUFWeight,
     StackedWeight,
     concat_quantized,
@@ -134,13 +134,13 @@ def _rotary_heads(gguf: GGUFFile, gguf_name: str, config) -> int | None:
 def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport):
     """The packed weight of one quantized 2-D tensor."""
     info = gguf.tensors[name]
-    if info.ggml_type in REPACKED_TYPES or heads is not None:
+    if info.ggml_type in REPACKED_SPECS or heads is not None:
         raw = gguf.read(name)  # into memory, not mapped: the mapping's pages stay untouched
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)  # whole rows of blocks move
     else:
         raw = gguf.raw(name)
-    if info.ggml_type in REPACKED_TYPES:
+    if info.ggml_type in REPACKED_SPECS:
         report.repacked_types[info.ggml_type.name] += 1
         return repack(raw, info.ggml_type)
     report.packed_types[info.ggml_type.name] += 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine import batch_invariant
 from engine.models.quant import (
@@ -39,7 +39,10 @@ from engine.models.quant import (
 T = GGMLQuantizationType
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], dtype=np.int8)
-REPACKED_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.IQ4_NL)
+# The 32-block types that repack exactly, and the int4/int8 spec each becomes.
+REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("int4"),
+                  T.Q8_0: QuantSpec("int8"), T.Q5_0: QuantSpec("int8"),
+                  T.IQ4_NL: QuantSpec("int8")}
 
 
 def _kernels():
@@ -118,17 +121,6 @@ class StackedWeight:
         return torch.cat([p.dequantized() for p in self.parts])
 
 
-def repack_spec(ggml_type: GGMLQuantizationType) -> QuantSpec | None:
-    """The int4/int8 spec a 32-block type repacks into exactly, or None (kept as GGUF)."""
-    if ggml_type in (T.Q4_0,):
-        return QuantSpec("int4", symmetric=True)
-    if ggml_type in (T.Q4_1,):
-        return QuantSpec("int4")
-    if ggml_type in (T.Q8_0, T.Q5_0, T.IQ4_NL):
-        return QuantSpec("int8")
-    return None
-
-
 def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | None = None
            ) -> QuantizedWeight:
     """A 32-block GGUF tensor (uint8 [N, K / 32 * block_bytes]) as an exact QuantizedWeight.
@@ -138,10 +130,9 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     int4 packing of engine.models.quant). Q4_0: mins = -8 d (exact in float16 below
     2^12). Q5_0: q = (low nibble | fifth bit from qh) - 16 in int8, scale d.
     """
-    spec = repack_spec(ggml_type)
+    spec = REPACKED_SPECS[ggml_type]
     n = raw.shape[0]
-    block_bytes = {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34, T.Q5_0: 22, T.IQ4_NL: 18}[ggml_type]
-    blocks = raw.reshape(n, -1, block_bytes)
+    blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
     max_rows = default_max_rows(spec.method) if max_rows is None else max_rows

@@ -49,7 +49,7 @@ def default_max_rows(kind: str = "int4") -> int:
 
     `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: always the tiled path). Measured with
     `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with native bf16
-    (AMX), tiles multiply almost for free and the crossover is where the few-row
+    (avx512_bf16), tiles multiply cheaply and the crossover is where the few-row
     kernel's per-row work passes the decoding of a tile; in float32 (no native bf16) the
     matmul itself costs more and the few-row kernels keep up to ~32 rows.
     """
@@ -60,7 +60,7 @@ def default_max_rows(kind: str = "int4") -> int:
         # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
         # 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a float32 matmul's 242.5 at 32.)
         return 32
-    # bfloat16 tiles on AMX, ms per layer few-row / tiled: Q4_K 8 rows 14.7 / 12.3,
+    # bfloat16 tiles (oneDNN; this VM's AMX is unusable), ms per layer few-row / tiled: Q4_K 8 rows 14.7 / 12.3,
     # Q6_K 8: 13.1 / 14.2; int4 8: 15.1 / 19.7, 16: 28.2 / 18.3; int8 8: 13.0 / 18.5,
     # 16: 27.9 / 17.1.
     return 8 if kind == "gguf" else 12
