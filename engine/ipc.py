@@ -4,8 +4,8 @@ Everything on the wire is msgpack produced by msgspec from the typed structs bel
 (which embed the engine's own dataclasses); nothing is pickled. The union of each
 direction is decoded strictly, so a malformed message is an error, not a guess.
 
-    frontend --(FrontendMessage)--> core:  AddRequest | AbortRequests | UtilityCall | Ping
-                                           | XrayCall | Shutdown
+    frontend --(FrontendMessage)--> core:  AddRequest | AbortRequests | UtilityCall
+                                           | GrammarCheck | Ping | XrayCall | Shutdown
     core --(CoreMessage)--> frontend:      Ready | StartupError | Outputs | UtilityResult
                                            | Pong | XrayResult | EngineDead
 
@@ -47,6 +47,20 @@ class UtilityCall(msgspec.Struct, tag="utility"):
 
     call_id: int
     method: str
+
+
+class GrammarCheck(msgspec.Struct, tag="grammar_check"):
+    """Check (by compiling it) a structured-output spec the frontend's own checks passed.
+
+    The grammar library imports torch, which the HTTP frontend never loads; the core
+    compiles the spec in its grammar threads (caching it for the request that follows)
+    and answers UtilityResult(call_id, result=None) when it compiled, or
+    UtilityResult(call_id, error=<the library's message>). Call ids share UtilityCall's
+    counter."""
+
+    call_id: int
+    kind: str
+    spec: str
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -107,7 +121,8 @@ class EngineDead(msgspec.Struct, tag="engine_dead"):
     message: str
 
 
-FrontendMessage = AddRequest | AbortRequests | UtilityCall | Ping | XrayCall | Shutdown
+FrontendMessage = (AddRequest | AbortRequests | UtilityCall | GrammarCheck | Ping | XrayCall
+                   | Shutdown)
 CoreMessage = Ready | StartupError | Outputs | UtilityResult | Pong | XrayResult | EngineDead
 
 # EngineCore methods a frontend may call through UtilityCall (no arguments).

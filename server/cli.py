@@ -335,6 +335,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.frontend.core_client import EngineStartupError
     from engine.model_loader.source import ModelSourceError, resolve_model
     from server.api_server import APIServer, ServeOptions
+    from server.torch_free import keep_torch_out
     from server.xray import XrayOptions
 
     configure_logging(args.log_level)
@@ -362,6 +363,9 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    # From here on this process is the HTTP frontend (or the launcher of several): the
+    # engine core starts in a process of its own, so torch stays out of this one.
+    keep_torch_out()
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key,
                            allowed_origins=args.allowed_origins or [],
                            log_level=args.log_level, limits=limits_from_args(args),

@@ -67,6 +67,7 @@ from engine.frontend.core_client import EngineStartupError
 from engine.frontend.shared_core_client import SharedCoreProcess
 from engine.ipc import SharedCoreLink
 from server.api_server import APIServer, ServeOptions, bind_socket
+from server.torch_free import keep_torch_out
 
 logger = logging.getLogger("pagedserve")
 
@@ -99,6 +100,7 @@ def run_api_server(args: ApiServerArgs, stop, force, ready) -> None:
     drain, then `force` to abort what is left; this process sets `ready` once uvicorn
     listens. Exits 0 after a clean stop, 1 if it could not start.
     """
+    keep_torch_out()  # the engine core runs in its own process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's (see the module doc)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(

@@ -73,7 +73,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
                           "invalid_value")
     num_top = body.top_logprobs or 0
-    plan, structured_outputs = await plan_output(body, state.tool_call_parser)
+    plan, structured_outputs = await plan_output(body, state.tool_call_parser, state.engine)
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     try:
         params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,

@@ -98,7 +98,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     record_user(raw_request, body)
     prompts = _prompts(state, body.prompt)
     want_logprobs = body.logprobs is not None
-    structured_outputs = await structured_outputs_of(body)
+    structured_outputs = await structured_outputs_of(body, state.engine)
     params = build_sampling_params(
         state, body, logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None,

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.structured_output import StructuredOutputsParams
 from engine.structured_output.validation import StructuredOutputError, check_spec
 from server.errors import bad_request
 from server.protocol import SamplingFields
+
+if TYPE_CHECKING:
+    from engine.frontend.async_engine import AsyncEngine
 
 CHECK_TIMEOUT_S = 5.0
 
@@ -69,24 +72,31 @@ def requested_params(body: SamplingFields) -> tuple[str, StructuredOutputsParams
     return found[0] if found else None
 
 
-async def check_params(param: str, params: StructuredOutputsParams) -> None:
-    """A 400 naming `param` when the spec is invalid, unsupported, or too slow to check."""
+async def check_params(param: str, params: StructuredOutputsParams, engine: AsyncEngine) -> None:
+    """A 400 naming `param` when the spec is invalid, unsupported, or too slow to check.
+
+    The cheap checks run here; the grammar library's own (by compiling the spec, which
+    the request then reuses) in the engine core."""
     try:
-        await asyncio.wait_for(asyncio.to_thread(check_spec, params), CHECK_TIMEOUT_S)
+        check_spec(params)
+        error = await asyncio.wait_for(engine.check_grammar(params), CHECK_TIMEOUT_S)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), param, "invalid_value") from None
     except asyncio.TimeoutError:
         raise bad_request(f"checking the {params.kind} spec took longer than "
                           f"{CHECK_TIMEOUT_S:g} s; simplify it.", param, "invalid_value") from None
+    if error is not None:
+        raise bad_request(error, param, "invalid_value")
 
 
-async def structured_outputs_of(body: SamplingFields) -> StructuredOutputsParams | None:
+async def structured_outputs_of(body: SamplingFields, engine: AsyncEngine
+                                ) -> StructuredOutputsParams | None:
     """The request's checked structured-output params, or None for free text."""
     requested = requested_params(body)
     if requested is None:
         return None
     param, params = requested
-    await check_params(param, params)
+    await check_params(param, params, engine)
     return params
 
 

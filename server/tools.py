@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.structured_output import StructuredOutputsParams
 from server.errors import bad_request
@@ -29,6 +29,9 @@ from server.tool_parsers import (
     ToolStream,
     make_auto_stream,
 )
+
+if TYPE_CHECKING:
+    from engine.frontend.async_engine import AsyncEngine
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -58,8 +61,8 @@ class ToolPlan:
         return None
 
 
-async def plan_output(body: ChatCompletionRequest, default_parser: str | None
-                      ) -> tuple[ToolPlan, StructuredOutputsParams | None]:
+async def plan_output(body: ChatCompletionRequest, default_parser: str | None,
+                      engine: AsyncEngine) -> tuple[ToolPlan, StructuredOutputsParams | None]:
     """The request's ToolPlan and the grammar its output follows (checked), if any.
 
     "required" / a named function bring their own grammar (then a response_format too is
@@ -70,9 +73,9 @@ async def plan_output(body: ChatCompletionRequest, default_parser: str | None
         if (requested := requested_params(body)) is not None:
             raise bad_request(f"tool_choice {plan.mode!r} cannot be combined with "
                               f"{requested[0]}.", "tool_choice", "invalid_value")
-        await check_params("tools", plan.structured_outputs)
+        await check_params("tools", plan.structured_outputs, engine)
         return plan, plan.structured_outputs
-    structured_outputs = await structured_outputs_of(body)
+    structured_outputs = await structured_outputs_of(body, engine)
     if structured_outputs is not None and plan.mode == "auto":
         plan = replace(plan, mode="none", parser=None)
     return plan, structured_outputs

@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -34,7 +35,7 @@ from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutpu
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import StructuredOutputManager, StructuredOutputsParams
 from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,11 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
         )
+
+    def check_grammar(self, params: StructuredOutputsParams,
+                      on_done: Callable[[str | None], None]) -> None:
+        """Compile `params` in the grammar threads; `on_done(error or None)` when done."""
+        self.structured_output.check(params, on_done)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -42,6 +42,7 @@ from engine.ipc import (
     CoreMessage,
     EngineDead,
     FrontendMessage,
+    GrammarCheck,
     Outputs,
     Ping,
     Pong,
@@ -55,6 +56,7 @@ from engine.ipc import (
     core_codec,
 )
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs
+from engine.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,8 @@ class EngineCoreProc:
             self._send(Pong(message.ping_id))  # between two steps: the loop is alive
         elif isinstance(message, UtilityCall):
             self._send(self._call_utility(message))
+        elif isinstance(message, GrammarCheck):
+            self._check_grammar(message)
         elif isinstance(message, XrayCall):
             self._send(self._xray_snapshot(message))  # encoded by the output thread
         elif isinstance(message, Shutdown):
@@ -184,6 +188,18 @@ class EngineCoreProc:
         except Exception as exc:  # noqa: BLE001
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
+
+    def _check_grammar(self, check: GrammarCheck) -> None:
+        reply = self._reply_to_sender()
+
+        def on_done(error: str | None) -> None:  # on a grammar thread
+            reply(UtilityResult(check.call_id, error=error))
+
+        self.core.check_grammar(StructuredOutputsParams(check.kind, check.spec), on_done)
+
+    def _reply_to_sender(self) -> Callable[[CoreMessage], None]:
+        """How to answer the message being handled later, from another thread."""
+        return self._send
 
     def _xray_snapshot(self, call: XrayCall) -> XrayResult:
         try:

@@ -86,7 +86,8 @@ class SharedEngineCoreProc(EngineCoreProc):
         SchedulerStats go to STATS_FRONTEND only. Every frontend gets its part of every
         step, empty or not: that is how a frontend with no request of its own knows
         the core is busy with a long step rather than stuck (AsyncEngine.check_health);
-      * Pong, UtilityResult and XrayResult go to the frontend that asked;
+      * Pong, UtilityResult and XrayResult go to the frontend that asked (also a
+        GrammarCheck's UtilityResult, sent later from a grammar thread);
       * Ready, StartupError and EngineDead go to every frontend (run_shared_engine_core).
     A request id belongs to the frontend that added it until its last output (finished)
     or until that frontend aborts it. An id in use (by any frontend) is refused with an
@@ -133,6 +134,10 @@ class SharedEngineCoreProc(EngineCoreProc):
             super()._handle(message)
         finally:
             self._asker = None
+
+    def _reply_to_sender(self) -> Callable[[CoreMessage], None]:
+        sender = self._asker
+        return lambda message: self._send_to(ToFrontend(sender, message))
 
     def _route(self, message: CoreMessage) -> None:
         if isinstance(message, Outputs):

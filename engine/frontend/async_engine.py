@@ -42,6 +42,7 @@ from engine.frontend.processor import Processor
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
@@ -397,6 +398,13 @@ class AsyncEngine:
     # ------------------------------------------------------------------ control
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
+
+    async def check_grammar(self, params: StructuredOutputsParams) -> str | None:
+        """None if the engine core compiles `params`, else what the grammar library
+        refused (the compile is cached for the request that follows)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        return await self.client.check_grammar_async(params)
 
     async def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
         """The engine core's queues, block pool, prefix cache and recent steps

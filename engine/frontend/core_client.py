@@ -52,6 +52,7 @@ from engine.ipc import (
     CoreMessage,
     EngineDead,
     FrontendMessage,
+    GrammarCheck,
     Outputs,
     Ping,
     Pong,
@@ -66,6 +67,7 @@ from engine.ipc import (
 )
 from engine.outputs import EngineCoreOutputs, KVCacheInfo
 from engine.request import EngineCoreRequest
+from engine.structured_output import StructuredOutputsParams
 from engine.xray_schema import XrayLimits, XraySnapshot
 
 logger = logging.getLogger(__name__)
@@ -273,6 +275,16 @@ class AsyncEngineCoreClient(abc.ABC):
         self._pending_calls[call_id] = future
         await self._send(UtilityCall(call_id, method))
         return _utility_value(await future)
+
+    async def check_grammar_async(self, params: StructuredOutputsParams) -> str | None:
+        """None if the core compiled `params`, else the grammar library's message; needs a
+        task consuming `get_output_async`."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        await self._send(GrammarCheck(call_id, params.kind, params.spec))
+        result: UtilityResult = await future
+        return result.error
 
     async def xray_snapshot_async(self, limits: XrayLimits) -> XraySnapshot:
         """An engine x-ray snapshot, built by the core between two steps; needs a task

@@ -22,11 +22,14 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +102,14 @@ def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None)
     _remove_abandoned_tmp_dirs(target)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        convert_gguf(gguf_path, tmp)
+        if "torch" in sys.modules:
+            convert_gguf(gguf_path, tmp)
+        else:
+            # transformers' GGUF tokenizer reader imports torch: convert in a child so a
+            # process without torch (the HTTP frontend, server/torch_free.py) stays so.
+            spawn = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                pool.submit(convert_gguf, gguf_path, tmp).result()
         try:
             os.rename(tmp, target)
         except OSError:

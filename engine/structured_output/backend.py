@@ -7,13 +7,14 @@ takes ~11 us on average with xgrammar vs ~120 us with llguidance, and applying a
 installs smaller (7.6 MB, no dependencies) but its per-step cost grows faster with the
 batch. xgrammar's native calls release the GIL, so compiles run beside the step loop.
 
-`build_grammar` is tokenizer-free (the frontend validates with it); `GrammarBackend`
+`build_grammar` is tokenizer-free; `GrammarBackend`
 compiles for one tokenizer and makes per-request matchers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from engine.structured_output.params import StructuredOutputsParams
@@ -41,6 +42,12 @@ def build_grammar(params: StructuredOutputsParams):
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(spec)
     raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def library_message(exc: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)
 
 
 class GrammarBackend:

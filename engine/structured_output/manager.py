@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured_output.backend import GrammarBackend
+from engine.structured_output.backend import GrammarBackend, library_message
 from engine.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,23 @@ class StructuredOutputManager:
 
     def submit(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> RequestGrammar:
         """Start (or reuse) the compile of `params`; never blocks."""
+        return RequestGrammar(params, list(stop_token_ids), self._compile_future(params))
+
+    def check(self, params: StructuredOutputsParams,
+              on_done: Callable[[str | None], None]) -> None:
+        """Compile `params` (or reuse its compile) and call `on_done(error or None)` from
+        a grammar thread once it is done; never blocks. A request for the same spec that
+        follows reuses the compile."""
+
+        def report(future: Future) -> None:
+            if future.cancelled():
+                on_done("the engine is shutting down")
+            else:
+                on_done(future.result().error)
+
+        self._compile_future(params).add_done_callback(report)
+
+    def _compile_future(self, params: StructuredOutputsParams) -> Future:
         future = self._cache.get(params.key)
         if future is None:
             if self._pool is None:
@@ -110,14 +127,14 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(params.key)
-        return RequestGrammar(params, list(stop_token_ids), future)
+        return future
 
     def _compile(self, params: StructuredOutputsParams) -> CompileResult:
         started = time.perf_counter()
         try:
             compiled = self.backend.compile(params)
         except Exception as exc:  # noqa: BLE001 - a bad spec fails its requests only
-            return CompileResult(error=f"invalid {params.kind} grammar: {exc}")
+            return CompileResult(error=f"invalid {params.kind}: {library_message(exc)}")
         seconds = time.perf_counter() - started
         with self._stats_lock:
             self._compile_seconds.append(seconds)

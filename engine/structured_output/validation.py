@@ -5,9 +5,11 @@
     (what makes a grammar large and its compile slow);
   * a JSON schema that is not valid against its metaschema (`jsonschema`);
   * JSON-schema keywords the grammar library would silently ignore (`not`, `if`, ...),
-    so an output could miss the schema while the client trusted it;
-  * whatever the grammar library refuses (a regex or EBNF syntax error, an unsupported
-    regex feature, a `$ref` that resolves nowhere).
+    so an output could miss the schema while the client trusted it.
+What the grammar library itself refuses (a regex or EBNF syntax error, an unsupported
+regex feature, a `$ref` that resolves nowhere) is found by compiling the spec, which
+happens in the engine core (`StructuredOutputManager.check`): the library imports torch,
+which the HTTP frontend does not load.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import re
 from typing import Any
 
-from engine.structured_output.backend import build_grammar
 from engine.structured_output.params import StructuredOutputsParams
 
 MAX_SPEC_CHARS = 64 * 1024
@@ -52,10 +53,6 @@ def check_spec(params: StructuredOutputsParams) -> None:
         choices = json.loads(params.spec)
         if not choices or len(choices) > MAX_CHOICES:
             raise StructuredOutputError(f"choice needs 1 to {MAX_CHOICES} strings")
-    try:
-        build_grammar(params)
-    except Exception as exc:  # noqa: BLE001 - the library's message says what is wrong
-        raise StructuredOutputError(f"invalid {params.kind}: {_library_message(exc)}") from exc
 
 
 def _check_schema(spec: str) -> None:
@@ -108,9 +105,3 @@ def _check_regex_counts(pattern: str, where: str) -> None:
             if number and int(number) > MAX_REPEAT:
                 raise StructuredOutputError(
                     f"repetition {match.group(0)} in {where} is above the limit of {MAX_REPEAT}")
-
-
-def _library_message(exc: BaseException) -> str:
-    """xgrammar's message without its C++ source location prefix."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)

@@ -14,6 +14,8 @@ write their K/V there (engine/worker/cuda_graphs.py).
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,11 +117,30 @@ def allocate_kv_caches(
     `num_blocks` pool blocks plus the padding block, whose id is `num_blocks`.
 
     `shape_of(num_blocks, block_size, num_kv_heads, head_size)` is the attention
-    backend's `kv_cache_shape`: the layout is the backend's choice.
+    backend's `kv_cache_shape`: the layout is the backend's choice. On the CPU the
+    zeros are untouched pages (`zero_pages`): memory is committed as blocks are used.
     """
-    return [
-        torch.zeros(shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
-                             spec.num_kv_heads, spec.head_size),
-                    dtype=spec.dtype, device=device)
-        for spec in specs
-    ]
+    caches = []
+    for spec in specs:
+        shape = shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
+                         spec.num_kv_heads, spec.head_size)
+        if device.type == "cpu":
+            caches.append(zero_pages(shape, spec.dtype))
+        else:
+            caches.append(torch.zeros(shape, dtype=spec.dtype, device=device))
+    return caches
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros backed by an anonymous memory mapping.
+
+    The kernel hands out such pages zero-filled on first touch, so nothing is written
+    now: a 2 GiB cache costs RSS only for the blocks requests have written (the block
+    pool's free queue starts in block order, so the pages of blocks no request has
+    used yet stay uncommitted until the prefix cache has cycled through them).
+    `torch.zeros` would write every page.
+    """
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(1, numel * itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -183,6 +183,44 @@ def test_errors_then_good_request(client, server):
     assert result.usage.completion_tokens >= 1
 
 
+def _process_maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_api_server_process_loads_no_torch(server):
+    """The HTTP frontend runs no model (server/torch_free.py): libtorch is mapped in the
+    engine core's process only."""
+    frontend = server.process.pid
+    assert "libtorch" not in _process_maps(frontend)
+    assert any("libtorch" in _process_maps(child) for child in _children(frontend))
+
+
+def test_grammar_errors_come_from_the_core_as_400s(client, server):
+    """The grammar library runs in the engine core (it imports torch): its refusal is
+    still a 400 naming the field, and a valid spec is then enforced."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "[ab]+("})
+    error = refused.value.body
+    assert error["param"] == "guided_regex" and "invalid regex" in error["message"]
+    result = client.completions.create(model="tiny", prompt="x", max_tokens=8,
+                                       extra_body={"guided_regex": "[ab]{3}"})
+    assert len(result.choices[0].text) == 3 and set(result.choices[0].text) <= {"a", "b"}
+
+
 def test_cli_reports_engine_startup_errors(checkpoint):
     proc = ServerProcess(["--model", str(checkpoint), "--port", "0", "--max-model-len", "100000",
                           "--kv-cache-memory", "32M"], env={})
