@@ -323,6 +323,13 @@ float dot(const float* a, const float* b, int64_t k) {
 }
 
 constexpr int64_t kRowBlock = 4;  // rows of x per pass over a decoded weight row
+#if defined(__AVX512F__)
+// 512-bit registers hold 8 rows' sums and accumulators (plus the decoded weights) in the
+// 32 vector registers: 8 decode steps (a batch of 8) decode each weight row once.
+constexpr int64_t kWideRowBlock = 8;
+#else
+constexpr int64_t kWideRowBlock = kRowBlock;
+#endif
 
 // The few-row path: x float32 [M, K] -> out float32 [M, N].
 at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_bytes, int64_t type,
@@ -339,10 +346,14 @@ at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_byte
         const uint8_t* wrow = weight + n * row_bytes;
         int64_t m0 = 0;
         if (type == gguf::Q4_K) {
+          for (; m0 + kWideRowBlock <= rows; m0 += kWideRowBlock)
+            Q4K_ROWS<kWideRowBlock>(wrow, a, m0, op + n, num_out);
           for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
             Q4K_ROWS<kRowBlock>(wrow, a, m0, op + n, num_out);
           for (; m0 < rows; ++m0) Q4K_ROWS<1>(wrow, a, m0, op + n, num_out);
         } else {
+          for (; m0 + kWideRowBlock <= rows; m0 += kWideRowBlock)
+            Q6K_ROWS<kWideRowBlock>(wrow, a, m0, op + n, num_out);
           for (; m0 + kRowBlock <= rows; m0 += kRowBlock)
             Q6K_ROWS<kRowBlock>(wrow, a, m0, op + n, num_out);
           for (; m0 < rows; ++m0) Q6K_ROWS<1>(wrow, a, m0, op + n, num_out);
