@@ -265,6 +265,9 @@ def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: st
         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
         "--num-warmups", str(num_warmups), "--seed", str(args.seed), "--label", name,
         "--disable-tqdm",
+        # Every server alike: llama-server closes keep-alive connections idle for 5 s (as
+        # between two levels), and a request sent on one just closed fails.
+        "--no-keepalive",
     ]
     if result_file:
         argv += ["--result-file", result_file]

@@ -79,6 +79,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Per-request connect/read timeout in seconds. Default: %(default)s",
     )
     g.add_argument(
+        "--no-keepalive",
+        action="store_true",
+        help="A new connection for every request (a server that drops idle keep-alive "
+        "connections, as llama-server does after 5 s, then fails no request).",
+    )
+    g.add_argument(
         "--wait-for-server",
         type=float,
         default=0.0,
@@ -494,7 +500,8 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     conc = args.max_concurrency
-    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    limits = httpx.Limits(max_connections=conc,
+                          max_keepalive_connections=0 if args.no_keepalive else conc)
     # trust_env=False: never route benchmark traffic through a proxy from the environment.
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(args.request_timeout), limits=limits, trust_env=False
