@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -168,6 +169,24 @@ def test_abandoned_temp_dir_of_a_dead_process_is_removed(tiny_gguf, tmp_path):
     resolve_model(str(tiny_gguf), cache_dir=cache)
     assert not abandoned.exists()
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_conversion_removes_the_caches_it_supersedes(tiny_gguf, tmp_path):
+    """An earlier conversion of the same file and an old converter's dense copy go; a
+    conversion of another file with the same name stays."""
+    cache = tmp_path / "cache"
+    gguf_root = cache / "gguf"
+    stale = gguf_root / f"{tiny_gguf.stem}-0000000000000001"
+    dense = gguf_root / f"{tiny_gguf.stem}-0000000000000002"
+    other = gguf_root / f"{tiny_gguf.stem}-0000000000000003"
+    for directory, source in ((stale, tiny_gguf.resolve()), (other, tmp_path / "elsewhere.gguf")):
+        directory.mkdir(parents=True)
+        (directory / gguf_module.GGUF_SOURCE_FILE).write_text(
+            json.dumps({"gguf_file": str(source)}))
+    dense.mkdir()
+    (dense / "model.safetensors").write_bytes(b"old dense copy")
+    target = resolve_model(str(tiny_gguf), cache_dir=cache).path
+    assert sorted(p.name for p in gguf_root.iterdir()) == sorted([target.name, other.name])
 
 
 # -- the real default model -----------------------------------------------------------------

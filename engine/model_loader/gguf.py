@@ -117,7 +117,26 @@ def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None)
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_superseded(target, Path(gguf_path).resolve())
     return target
+
+
+def _remove_superseded(target: Path, gguf_path: Path) -> None:
+    """Delete the cache dirs this conversion replaces: earlier conversions of the same
+    file (since changed), and the dense safetensors copies that converters before
+    version 4 wrote for a file of this name (this version never reads them; they were
+    several times the file's size)."""
+    for other in target.parent.glob(f"{gguf_path.stem}-*"):
+        if other == target or not other.is_dir():
+            continue
+        try:
+            source = json.loads((other / GGUF_SOURCE_FILE).read_text()).get("gguf_file")
+        except (OSError, ValueError):
+            source = None
+        dense_copy = source is None and (other / "model.safetensors").exists()
+        if source == str(gguf_path) or dense_copy:
+            logger.info("removing superseded GGUF cache %s", other)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_abandoned_tmp_dirs(target: Path) -> None:
