@@ -17,10 +17,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from engine.frontend.async_engine import EngineRequestError
 from server.access_log import AccessLogMiddleware
+from server.api_label import APILabelMiddleware
 from server.body_limit import RequestSizeLimit
 from server.errors import ERROR_RESPONSES, APIError, from_exception, install_error_handlers
 from server.lifecycle import ShutdownGate, shutting_down_error
@@ -40,6 +41,7 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.serving_anthropic import install_anthropic_routes
 from server.serving_chat import create_chat_completion
 from server.serving_common import ClientDisconnected, apply_chat_template, check_model
 from server.serving_completions import create_completion
@@ -66,7 +68,7 @@ async def _generate(create, state: ServerState, body, raw_request: Request):
     except ClientDisconnected:
         return Response(status_code=499)
     except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
-        return from_exception(exc).to_response()
+        return from_exception(exc).to_response(raw_request.url.path)
     except Exception as exc:
         raise from_exception(exc) from exc
 
@@ -110,19 +112,25 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
                            allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(APILabelMiddleware, metrics=state.metrics)
     app.add_middleware(AccessLogMiddleware)
 
     bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <api key>`")
+    x_api_key = APIKeyHeader(name="x-api-key", auto_error=False,
+                             description="`x-api-key: <api key>` (Anthropic's header)")
 
     async def require_api_key(
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        header_key: str | None = Depends(x_api_key),
     ) -> None:
         if state.api_key is None:
             return
-        if credentials is None or not hmac.compare_digest(
-                credentials.credentials.encode(), state.api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+        expected = state.api_key.encode()
+        for given in (credentials.credentials if credentials else None, header_key):
+            if given is not None and hmac.compare_digest(given.encode(), expected):
+                return
+        raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                            "or 'x-api-key: <key>'.", code="invalid_api_key")
 
     auth = [Depends(require_api_key)]
 
@@ -201,6 +209,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                                     f"0..{vocab_size - 1}).", "tokens", "invalid_value")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
+    install_anthropic_routes(app, state, auth, _generate)
     install_xray_routes(app, state)
     _install_openapi(app)
     return app
