@@ -46,6 +46,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_common import ClientDisconnected, apply_chat_template, check_model
 from server.serving_completions import create_completion
 from server.serving_ollama import install_ollama_routes
+from server.serving_responses import install_responses_routes
 from server.state import ServerState
 from server.xray import install_xray_routes
 
@@ -210,6 +211,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                                     f"0..{vocab_size - 1}).", "tokens", "invalid_value")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
+    install_responses_routes(app, state, auth, _generate)
     install_anthropic_routes(app, state, auth, _generate)
     install_ollama_routes(app, state, auth, _generate, package_version())
     install_xray_routes(app, state)

@@ -55,6 +55,9 @@ class ServerLimits:
     max_header_bytes: int = 64 << 10
     request_timeout_s: float | None = None  # None: no deadline
     retry_after_s: int = 1  # the Retry-After of an overload answer
+    # The Responses API's store of responses (server/response_store.py).
+    responses_store_size: int = 1024  # 0: nothing is stored
+    responses_store_ttl_s: float = 3600.0
 
 
 def record_failure(metrics: Any, reason: str, count: int = 1) -> None:
