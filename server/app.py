@@ -229,7 +229,9 @@ def _document_caps(components: dict, state: ServerState) -> None:
         "top_logprobs": limits.max_logprobs, "max_tokens": state.max_model_len,
         "max_completion_tokens": state.max_model_len,
     }
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    caps["max_output_tokens"] = state.max_model_len  # Responses; Anthropic's max_tokens
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest",
+                 "MessagesRequest"):
         properties = components.get(name, {}).get("properties", {})
         for field, cap in caps.items():
             if field in properties:

@@ -4,14 +4,14 @@ Unknown top-level fields are ignored (Anthropic's clients add fields across vers
 e.g. `container`, `context_management`); every declared field is honoured or refused
 with a 400 (server/serving_anthropic.py). Content blocks are typed by their `type`:
 text, tool_use (assistant), tool_result (user) and thinking (assistant, dropped) are
-accepted; images and documents are refused.
+accepted; any other type (image, document, ...) is a 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.protocol import Int64
 
@@ -20,23 +20,64 @@ class AnthropicRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class ContentBlock(AnthropicRequest):
+class _Block(AnthropicRequest):
     model_config = ConfigDict(extra="allow")  # cache_control, citations, ...
 
-    type: str
-    text: str | None = None  # text
-    id: str | None = None  # tool_use
-    name: str | None = None
-    input: dict[str, Any] | None = None
-    tool_use_id: str | None = None  # tool_result
-    content: str | list[dict[str, Any]] | None = None
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Block):
+    """An assistant's call of a tool."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Block):
+    """A user turn's answer to a tool_use (its content: text or text blocks)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
     is_error: bool | None = None
-    thinking: str | None = None  # thinking
+
+
+class ThinkingBlock(_Block):
+    """An assistant's earlier reasoning (not sent back to the model)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
+
+
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class AnthropicMessage(AnthropicRequest):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_block_types(cls, content: Any) -> Any:
+        """Name an unsupported block type (pydantic would report the union's first branch)."""
+        if isinstance(content, list):
+            for block in content:
+                kind = block.get("type") if isinstance(block, dict) else None
+                if isinstance(kind, str) and kind not in _BLOCK_TYPES:
+                    raise ValueError(f"content blocks of type {kind!r} are not supported; "
+                                     f"only {', '.join(_BLOCK_TYPES)} are")
+        return content
 
 
 class AnthropicTool(AnthropicRequest):
@@ -75,7 +116,7 @@ class OutputConfig(AnthropicRequest):
 class CountTokensRequest(AnthropicRequest):
     model: str
     messages: list[AnthropicMessage] = Field(..., min_length=1)
-    system: str | list[ContentBlock] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = Field(

@@ -50,10 +50,10 @@ from server.protocol_anthropic import (
     AnthropicMessage,
     AnthropicMessageResponse,
     AnthropicUsage,
-    ContentBlock,
     CountTokensRequest,
     CountTokensResponse,
     MessagesRequest,
+    TextBlock,
 )
 from server.serving_chat import start_chat
 from server.serving_common import (
@@ -68,28 +68,18 @@ from server.state import ServerState
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def _text_of(blocks: str | list[ContentBlock] | list[dict[str, Any]] | None, param: str) -> str:
-    """The text of a string or of text blocks (anything else is a 400 naming `param`)."""
-    if blocks is None:
-        return ""
+def _text_of(blocks: str | list[TextBlock]) -> str:
+    """The text of a string or of text blocks."""
     if isinstance(blocks, str):
         return blocks
-    texts = []
-    for i, block in enumerate(blocks):
-        kind = block.get("type") if isinstance(block, dict) else block.type
-        text = block.get("text") if isinstance(block, dict) else block.text
-        if kind != "text" or not isinstance(text, str):
-            raise bad_request(f"content blocks of type {kind!r} are not supported here; "
-                              "only 'text' blocks are.", f"{param}[{i}]")
-        texts.append(text)
-    return "\n".join(texts)
+    return "\n".join(block.text for block in blocks)
 
 
 def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     """The chat messages of an Anthropic conversation (see the module doc)."""
     chat: list[dict[str, Any]] = []
     if system:
-        chat.append({"role": "system", "content": _text_of(system, "system")})
+        chat.append({"role": "system", "content": _text_of(system)})
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
             chat.append({"role": message.role, "content": message.content})
@@ -97,23 +87,19 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
         texts, calls = [], []
         for j, block in enumerate(message.content):
             where = f"messages[{i}].content[{j}]"
-            if block.type == "text" and block.text is not None:
+            if block.type == "text":
                 texts.append(block.text)
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue  # earlier reasoning is not sent back to the model
             elif block.type == "tool_use" and message.role == "assistant":
-                if not block.id or not block.name:
-                    raise bad_request("a tool_use block needs an id and a name.", where)
                 calls.append({"id": block.id, "type": "function", "function": {
-                    "name": block.name, "arguments": json.dumps(block.input or {})}})
+                    "name": block.name, "arguments": json.dumps(block.input)}})
             elif block.type == "tool_result" and message.role == "user":
-                if not block.tool_use_id:
-                    raise bad_request("a tool_result block needs a tool_use_id.", where)
                 chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                             "content": _text_of(block.content, f"{where}.content")})
+                             "content": _text_of(block.content)})
             else:
-                raise bad_request(f"content blocks of type {block.type!r} are not supported "
-                                  f"in a {message.role} message.", where)
+                raise bad_request(f"{block.type} blocks are not allowed in a {message.role} "
+                                  "message.", where)
         if texts or calls or message.role == "assistant":
             turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
             if calls:
