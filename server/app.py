@@ -1,8 +1,10 @@
 """The FastAPI application: routes, API-key check, CORS, access log, OpenAPI schema.
 
-Inference routes (/v1/*, /tokenize, /detokenize) and the engine x-ray (/xray,
-/xray/state; server/xray.py) need the API key when one is set; /health, /metrics and
-/version stay open.
+Inference routes (/v1/*, /api/*, /tokenize, /detokenize) and the engine x-ray (/xray,
+/xray/state; server/xray.py) need the API key when one is set (as a bearer token, or in
+x-api-key); /health, /metrics, /version and /api/version stay open. Besides the OpenAI
+routes, the Responses, Anthropic Messages and Ollama APIs (server/serving_responses.py,
+serving_anthropic.py, serving_ollama.py) install theirs.
 
 Middleware, outermost first: access log, CORS, shutdown gate (503 while draining),
 request head/body size limits (431/413), catch-all (500 error object), then the routes.

@@ -145,9 +145,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "--port, all over one engine core, for when a single frontend's tokenization, "
          "detokenization and streaming are the limit (vLLM's flag; see "
          "server/launcher.py).", type=_positive_int, default="1")
-    flag("--api-key", "Require 'Authorization: Bearer <key>' on the inference routes "
-         "(/v1/*, /tokenize, /detokenize) and on /xray; /health, /metrics and /version "
-         "stay open.")
+    flag("--api-key", "Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
+         "Anthropic's header) on the inference routes (/v1/*, /api/* but /api/version, "
+         "/tokenize, /detokenize) and on /xray; /health, /metrics and /version stay open.")
     flag("--max-model-len", "Context length (prompt + output tokens). Default: the model's.",
          type=_positive_int)
     flag("--max-num-seqs", "Most sequences running in one step.", type=_positive_int,

@@ -6,10 +6,13 @@ thinking blocks, tool calls and stop sequences come out exactly as a test wrote 
 
 from __future__ import annotations
 
+import logging
+
 import anthropic
 import httpx
 import pytest
 
+from tests.support.reliability_fixtures import metric
 from tests.support.server_fixtures import build_tokenizer_dir, start_echo_chat_server
 
 MODEL = "fake-echo"
@@ -42,7 +45,8 @@ def ask(text: str, **extra):
                 **GREEDY, **extra)
 
 
-def test_create_and_stream_agree(client):
+def test_create_and_stream_agree(client, caplog):
+    caplog.set_level(logging.INFO, logger="pagedserve.access")
     kwargs = ask("Hello there, world!", system="Be brief.")
     message = client.messages.create(**kwargs)
     assert message.type == "message" and message.role == "assistant"
@@ -63,6 +67,8 @@ def test_create_and_stream_agree(client):
     assert events[0] == "message_start" and events[-1] == "message_stop"
     assert {"content_block_start", "content_block_delta", "content_block_stop",
             "message_delta"} <= set(events)
+    logged = [r.getMessage() for r in caplog.records if "POST /v1/messages " in r.getMessage()]
+    assert logged and all(" api=anthropic_messages " in line for line in logged), logged
 
 
 def test_stop_reasons(client):
@@ -127,6 +133,10 @@ def test_errors_have_anthropic_shape(client, server):
     finally:
         state.api_key = None
     assert client.messages.create(**ask("still serving")).content[0].text == "still serving"
+    metrics = httpx.get(server.url + "/metrics").text
+    for status in ("2xx", "4xx"):
+        assert metric(metrics, "pagedserve:api_requests_total", api="anthropic_messages",
+                      status=status) > 0
 
 
 def test_langchain_chat_anthropic_tools(server):
