@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.reliability_fixtures import metric
-from tests.support.server_fixtures import build_tokenizer_dir, start_echo_chat_server
+from tests.support.server_fixtures import FAIL_TEXT
 
 MODEL = "fake-echo"
 TOOL = {"name": "lookup", "description": "Look something up.",
@@ -22,11 +22,9 @@ CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "tides"}}\n</tool_cal
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    thread = start_echo_chat_server(build_tokenizer_dir(tmp_path_factory.mktemp("tok")))
-    yield thread
-    assert thread.server.state.engine.num_unfinished_requests == 0
-    thread.stop()
+def server(echo_chat_server):
+    yield echo_chat_server
+    assert echo_chat_server.server.state.engine.num_unfinished_requests == 0
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +135,20 @@ def test_errors_have_anthropic_shape(client, server):
     for status in ("2xx", "4xx"):
         assert metric(metrics, "pagedserve:api_requests_total", api="anthropic_messages",
                       status=status) > 0
+
+
+def test_engine_failure(client):
+    """Not streamed: a 500 in Anthropic's shape; streamed: an `error` event after
+    message_start."""
+    with pytest.raises(anthropic.InternalServerError) as info:
+        client.messages.create(**ask("boom " + FAIL_TEXT))
+    assert info.value.body["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.APIStatusError) as info, \
+            client.messages.stream(**ask("boom " + FAIL_TEXT)) as stream:
+        for _ in stream:
+            pass
+    assert "fail" in str(info.value)
+    assert client.messages.create(**ask("fine")).content[0].text == "fine"
 
 
 def test_langchain_chat_anthropic_tools(server):

@@ -12,7 +12,7 @@ import httpx
 import ollama
 import pytest
 
-from tests.support.server_fixtures import build_tokenizer_dir, start_echo_chat_server
+from tests.support.server_fixtures import FAIL_TEXT
 
 MODEL = "fake-echo"
 GREEDY = {"temperature": 0}
@@ -23,11 +23,9 @@ CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "tides"}}\n</tool_cal
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    thread = start_echo_chat_server(build_tokenizer_dir(tmp_path_factory.mktemp("tok")))
-    yield thread
-    assert thread.server.state.engine.num_unfinished_requests == 0
-    thread.stop()
+def server(echo_chat_server):
+    yield echo_chat_server
+    assert echo_chat_server.server.state.engine.num_unfinished_requests == 0
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +142,17 @@ def test_errors_have_ollama_shape(client, server):
     response = httpx.post(server.url + "/api/pull", json={"model": MODEL})
     assert response.status_code == 404 and list(response.json()) == ["error"]
     assert client.generate(model=MODEL, prompt="still", options=GREEDY).response == "still"
+
+
+def test_engine_failure(client):
+    """Not streamed: a 500 {"error"}; streamed: an {"error"} line the client raises."""
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=MODEL, messages=user("boom " + FAIL_TEXT), options=GREEDY)
+    assert info.value.status_code == 500 and "fail" in info.value.error
+    with pytest.raises(ollama.ResponseError) as info:
+        list(client.generate(model=MODEL, prompt="boom " + FAIL_TEXT, stream=True))
+    assert "fail" in info.value.error
+    assert client.generate(model=MODEL, prompt="fine", options=GREEDY).response == "fine"
 
 
 def test_langchain_chat_ollama_tools(server):

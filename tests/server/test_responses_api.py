@@ -14,8 +14,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server.lifecycle import ServerLimits
-from tests.support.server_fixtures import build_tokenizer_dir, start_echo_chat_server
+from server.response_store import ResponseStore
+from tests.support.server_fixtures import FAIL_TEXT
 
 MODEL = "fake-echo"
 TOOL = {"type": "function", "name": "lookup", "description": "Look something up.",
@@ -24,12 +24,9 @@ CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "tides"}}\n</tool_cal
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    thread = start_echo_chat_server(build_tokenizer_dir(tmp_path_factory.mktemp("tok")),
-                                    limits=ServerLimits(responses_store_size=3))
-    yield thread
-    assert thread.server.state.engine.num_unfinished_requests == 0
-    thread.stop()
+def server(echo_chat_server):
+    yield echo_chat_server
+    assert echo_chat_server.server.state.engine.num_unfinished_requests == 0
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +80,16 @@ def test_previous_response_id_and_the_store(client, server):
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model=MODEL, input="again", previous_response_id=first.id)
     assert info.value.body["param"] == "previous_response_id"
-    for i in range(3):  # the store keeps 3: the oldest goes
-        client.responses.create(model=MODEL, input=f"fill {i}", temperature=0)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(second.id)
+    state = server.server.state
+    kept, state.responses = state.responses, ResponseStore(max_size=3, ttl_s=3600)
+    try:
+        kept_id = client.responses.create(model=MODEL, input="kept", temperature=0).id
+        for i in range(3):  # the store keeps 3: the oldest goes
+            client.responses.create(model=MODEL, input=f"fill {i}", temperature=0)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(kept_id)
+    finally:
+        state.responses = kept
 
 
 def test_reasoning_and_function_call_round_trip(client):
@@ -135,6 +138,20 @@ def test_errors_are_openai_shaped(client, server):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
     assert client.responses.create(model=MODEL, input="ok", temperature=0).output_text == "ok"
+
+
+def test_engine_failure(client):
+    """Not streamed: a 500 error object; streamed: an `error` event (the last) after
+    response.created."""
+    with pytest.raises(openai.InternalServerError):
+        client.responses.create(model=MODEL, input="boom " + FAIL_TEXT, temperature=0)
+    with client.responses.stream(model=MODEL, input="boom " + FAIL_TEXT,
+                                 temperature=0) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created" and events[-1].type == "error"
+    assert "fail" in events[-1].message and events[-1].code == "engine_error"
+    assert client.responses.create(model=MODEL, input="fine", temperature=0).output_text == \
+        "fine"
 
 
 def test_langchain_chat_openai_on_responses(server):

@@ -358,16 +358,24 @@ ECHO_CHAT_TEMPLATE = (
 )
 
 
+# In a message to the echo chat server, this text makes the fake model fail the request
+# (its token, <|endoftext|>, is the executor's fail_token_id there).
+FAIL_TEXT = "<|endoftext|>"
+
+
 def start_echo_chat_server(tokenizer_dir: Path, **options) -> ServerThread:
     """The echo server with ECHO_CHAT_TEMPLATE, the hermes tool-call parser and the qwen3
     reasoning parser: a user message's text comes back as the answer, <think> blocks as
-    reasoning and <tool_call> blocks as tool calls."""
+    reasoning and <tool_call> blocks as tool calls; a message with FAIL_TEXT fails in
+    the model step."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.chat_template = ECHO_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(tokenizer_dir))
-    api_server = build_fake_server(tokenizer_dir, **{"max_model_len": 512, **options})
+    api_server = build_fake_server(tokenizer_dir, **{
+        "max_model_len": 512, "executor_kwargs": {"fail_token_id": SPECIAL_TOKENS.index(FAIL_TEXT)},
+        **options})
     api_server.options.tool_call_parser = "hermes"
     api_server.options.reasoning_parser = "qwen3"
     return ServerThread(api_server).start()
