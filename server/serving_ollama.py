@@ -339,13 +339,14 @@ def install_ollama_routes(app: FastAPI, state: ServerState, auth: list, generate
                                "line, the last with `done: true` (or an `error` line).",
                 "content": {NDJSON: {}}}
 
+    # Like Ollama, answers leave out empty fields (thinking, tool_calls, context).
     @app.post("/api/chat", response_model=OllamaChatResponse, dependencies=auth,
-              responses={**errors, 200: streamed})
+              response_model_exclude_none=True, responses={**errors, 200: streamed})
     async def api_chat(body: OllamaChatRequest, raw_request: Request):
         return await generate(ollama_chat, state, body, raw_request)
 
     @app.post("/api/generate", response_model=OllamaGenerateResponse, dependencies=auth,
-              responses={**errors, 200: streamed})
+              response_model_exclude_none=True, responses={**errors, 200: streamed})
     async def api_generate(body: OllamaGenerateRequest, raw_request: Request):
         return await generate(ollama_generate, state, body, raw_request)
 
