@@ -1,6 +1,6 @@
 """One access-log line per HTTP request, written when its response is complete.
 
-    127.0.0.1:51234 "POST /v1/completions HTTP/1.1" 200 prompt_tokens=12 completion_tokens=30 0.412s
+    127.0.0.1:51234 "POST /v1/completions HTTP/1.1" 200 api=openai_completions prompt_tokens=12 completion_tokens=30 0.412s
 
 A pure ASGI middleware (it wraps `send`), so a streamed response is logged when its
 last chunk is sent, with the latency of the whole stream. Handlers report token
@@ -39,6 +39,8 @@ class AccessLogMiddleware:
                 path += "?" + scope["query_string"].decode("latin-1")
             line = f'{peer} "{scope.get("method", "")} {path} HTTP/{scope.get("http_version", "1.1")}" {status}'
             state = scope.get("state") or {}
+            if state.get("api"):
+                line += f" api={state['api']}"
             usage = state.get("usage")
             if usage is not None:
                 line += (f" prompt_tokens={usage.prompt_tokens}"

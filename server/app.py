@@ -1,8 +1,10 @@
 """The FastAPI application: routes, API-key check, CORS, access log, OpenAPI schema.
 
-Inference routes (/v1/*, /tokenize, /detokenize) and the engine x-ray (/xray,
-/xray/state; server/xray.py) need the API key when one is set; /health, /metrics and
-/version stay open.
+Inference routes (/v1/*, /api/*, /tokenize, /detokenize) and the engine x-ray (/xray,
+/xray/state; server/xray.py) need the API key when one is set (as a bearer token, or in
+x-api-key); /health, /metrics, /version and /api/version stay open. Besides the OpenAI
+routes, the Responses, Anthropic Messages and Ollama APIs (server/serving_responses.py,
+serving_anthropic.py, serving_ollama.py) install theirs.
 
 Middleware, outermost first: access log, CORS, shutdown gate (503 while draining),
 request head/body size limits (431/413), catch-all (500 error object), then the routes.
@@ -17,10 +19,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from engine.frontend.async_engine import EngineRequestError
 from server.access_log import AccessLogMiddleware
+from server.api_label import APILabelMiddleware
 from server.body_limit import RequestSizeLimit
 from server.errors import ERROR_RESPONSES, APIError, from_exception, install_error_handlers
 from server.lifecycle import ShutdownGate, shutting_down_error
@@ -40,9 +43,12 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.serving_anthropic import install_anthropic_routes
 from server.serving_chat import create_chat_completion
 from server.serving_common import ClientDisconnected, apply_chat_template, check_model
 from server.serving_completions import create_completion
+from server.serving_ollama import install_ollama_routes
+from server.serving_responses import install_responses_routes
 from server.state import ServerState
 from server.xray import install_xray_routes
 
@@ -66,7 +72,7 @@ async def _generate(create, state: ServerState, body, raw_request: Request):
     except ClientDisconnected:
         return Response(status_code=499)
     except EngineRequestError as exc:  # counted by the engine, not as an HTTP failure
-        return from_exception(exc).to_response()
+        return from_exception(exc).to_response(raw_request.url.path)
     except Exception as exc:
         raise from_exception(exc) from exc
 
@@ -110,19 +116,25 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
                            allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(APILabelMiddleware, metrics=state.metrics)
     app.add_middleware(AccessLogMiddleware)
 
     bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <api key>`")
+    x_api_key = APIKeyHeader(name="x-api-key", auto_error=False,
+                             description="`x-api-key: <api key>` (Anthropic's header)")
 
     async def require_api_key(
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+        header_key: str | None = Depends(x_api_key),
     ) -> None:
         if state.api_key is None:
             return
-        if credentials is None or not hmac.compare_digest(
-                credentials.credentials.encode(), state.api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+        expected = state.api_key.encode()
+        for given in (credentials.credentials if credentials else None, header_key):
+            if given is not None and hmac.compare_digest(given.encode(), expected):
+                return
+        raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                            "or 'x-api-key: <key>'.", code="invalid_api_key")
 
     auth = [Depends(require_api_key)]
 
@@ -201,6 +213,9 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
                                     f"0..{vocab_size - 1}).", "tokens", "invalid_value")
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
 
+    install_responses_routes(app, state, auth, _generate)
+    install_anthropic_routes(app, state, auth, _generate)
+    install_ollama_routes(app, state, auth, _generate, package_version())
     install_xray_routes(app, state)
     _install_openapi(app)
     return app
@@ -216,7 +231,9 @@ def _document_caps(components: dict, state: ServerState) -> None:
         "top_logprobs": limits.max_logprobs, "max_tokens": state.max_model_len,
         "max_completion_tokens": state.max_model_len,
     }
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    caps["max_output_tokens"] = state.max_model_len  # Responses; Anthropic's max_tokens
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest",
+                 "MessagesRequest"):
         properties = components.get(name, {}).get("properties", {})
         for field, cap in caps.items():
             if field in properties:

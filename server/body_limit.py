@@ -46,7 +46,7 @@ class RequestSizeLimit:
                 record(error, scope.get("path"))
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 pass
-        await error.to_response()(scope, receive, send)
+        await error.to_response(scope.get("path"))(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -145,9 +145,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
          "--port, all over one engine core, for when a single frontend's tokenization, "
          "detokenization and streaming are the limit (vLLM's flag; see "
          "server/launcher.py).", type=_positive_int, default="1")
-    flag("--api-key", "Require 'Authorization: Bearer <key>' on the inference routes "
-         "(/v1/*, /tokenize, /detokenize) and on /xray; /health, /metrics and /version "
-         "stay open.")
+    flag("--api-key", "Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
+         "Anthropic's header) on the inference routes (/v1/*, /api/* but /api/version, "
+         "/tokenize, /detokenize) and on /xray; /health, /metrics and /version stay open.")
     flag("--max-model-len", "Context length (prompt + output tokens). Default: the model's.",
          type=_positive_int)
     flag("--max-num-seqs", "Most sequences running in one step.", type=_positive_int,
@@ -245,6 +245,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--request-timeout", "Abort a request still running after this many seconds "
          "(finish_reason 'abort' and a request_timeout error). Default: no deadline.",
          type=_positive_seconds)
+    flag("--responses-store-size", "Most responses the Responses API keeps (store: true) for "
+         "GET /v1/responses/{id} and previous_response_id; the oldest goes first (0: keep "
+         "none).", type=int, default="1024")
+    flag("--responses-store-ttl", "Seconds a stored response is kept.", type=_positive_seconds,
+         default="3600")
     switch("--xray", "Serve the engine x-ray: GET /xray, a live page of the scheduler, the KV "
            "block pool and the prefix cache, and GET /xray/state, its JSON (default: on; "
            "--no-xray removes both).", default=True, negatable=True)
@@ -314,7 +319,9 @@ def limits_from_args(args: argparse.Namespace):
         max_queued_requests=args.max_queued_requests, max_n=args.max_n,
         max_logprobs=args.max_logprobs, max_prompts_per_request=args.max_prompts_per_request,
         max_request_body_bytes=args.max_request_body_bytes,
-        max_header_bytes=args.max_header_bytes, request_timeout_s=args.request_timeout)
+        max_header_bytes=args.max_header_bytes, request_timeout_s=args.request_timeout,
+        responses_store_size=max(0, args.responses_store_size),
+        responses_store_ttl_s=args.responses_store_ttl)
 
 
 def configure_logging(level: str) -> None:

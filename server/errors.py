@@ -1,8 +1,13 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` on every failure.
+"""Errors in each API's own shape, on every failure.
 
 `APIError` is what handlers raise; the handlers installed by `install_error_handlers`
 turn it, FastAPI's validation errors (422 by default, 400 here), unknown routes and
-unexpected exceptions into the OpenAI error object.
+unexpected exceptions into the error object of the API the request's path belongs to:
+
+    OpenAI (/v1/*, the rest)   {"error": {"message", "type", "param", "code"}}
+    Anthropic (/v1/messages*)  {"type": "error", "error": {"type": "invalid_request_error",
+                                                           "message"}}
+    Ollama (/api/*)            {"error": "<message>"}
 """
 
 from __future__ import annotations
@@ -49,6 +54,21 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status_code, "invalid_request_error")
         self.headers = dict(headers or {})
 
+    def to_body(self, path: str | None = None) -> dict:
+        """The error object of the API that serves `path` (OpenAI's when None)."""
+        style = error_style(path)
+        if style == "anthropic":
+            return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+        if style == "ollama":
+            return {"error": self.message}
+        return self.to_response_model().model_dump()
+
+    @property
+    def anthropic_type(self) -> str:
+        """Anthropic's error type for this status (its API's documented table)."""
+        return _ANTHROPIC_TYPES.get(self.status_code, "api_error" if self.status_code >= 500
+                                    else "invalid_request_error")
+
     def to_response_model(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
                                              param=self.param, code=self.code))
@@ -56,12 +76,30 @@ class APIError(Exception):
     def to_json(self) -> str:
         return self.to_response_model().model_dump_json()
 
-    def to_response(self) -> JSONResponse:
+    def to_response(self, path: str | None = None) -> JSONResponse:
+        """The error as a JSON response in the shape of the API that serves `path`."""
         headers = dict(self.headers)
         if self.status_code == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.to_response_model().model_dump(), self.status_code,
-                            headers=headers or None)
+        return JSONResponse(self.to_body(path), self.status_code, headers=headers or None)
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 503: "overloaded_error", 504: "timeout_error",
+}
+
+
+def error_style(path: str | None) -> str:
+    """Whose error shape a request to `path` gets: "anthropic", "ollama" or "openai"."""
+    if path is None:
+        return "openai"
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "openai"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -143,16 +181,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count_failure(request, exc)
-        return exc.to_response()
+        return exc.to_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = validation_error(exc)
         _count_failure(request, error)
-        return error.to_response()
+        return error.to_response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         try:
             phrase = HTTPStatus(exc.status_code).phrase
         except ValueError:
@@ -160,7 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         message = detail if detail and detail != phrase else phrase
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, message, code=code).to_response()
+        return APIError(exc.status_code, message, code=code).to_response(request.url.path)
 
     app.add_middleware(CatchAllMiddleware)
 
@@ -192,7 +230,7 @@ class CatchAllMiddleware:
         except Exception as exc:  # noqa: BLE001
             if started:
                 raise
-            await from_exception(exc).to_response()(scope, receive, send)
+            await from_exception(exc).to_response(scope.get("path"))(scope, receive, send)
 
 
 # Documented on every inference route (FastAPI `responses=`).
@@ -208,3 +246,8 @@ ERROR_RESPONSES = {
         "is not running")},
     504: {"model": ErrorResponse, "description": "The request exceeded --request-timeout"},
 }
+
+
+def error_docs(model: type) -> dict:
+    """ERROR_RESPONSES with another API's error object (`model`) as the body."""
+    return {status: {**doc, "model": model} for status, doc in ERROR_RESPONSES.items()}

@@ -32,6 +32,7 @@ from typing import Any
 
 from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.sampling_params import SamplingParams
+from server.api_label import GENERATION_PATHS
 from server.errors import APIError
 
 logger = logging.getLogger("pagedserve")
@@ -39,7 +40,7 @@ logger = logging.getLogger("pagedserve")
 # Paths whose requests the drain waits for (everything but the probes and scrapes).
 _UNTRACKED_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Paths whose refusals count as failed inference requests in the metrics.
-_INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_INFERENCE_PATHS = GENERATION_PATHS
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class ServerLimits:
     max_header_bytes: int = 64 << 10
     request_timeout_s: float | None = None  # None: no deadline
     retry_after_s: int = 1  # the Retry-After of an overload answer
+    # The Responses API's store of responses (server/response_store.py).
+    responses_store_size: int = 1024  # 0: nothing is stored
+    responses_store_ttl_s: float = 3600.0
 
 
 def record_failure(metrics: Any, reason: str, count: int = 1) -> None:
@@ -230,7 +234,7 @@ class ShutdownGate:
         if lifecycle.draining:
             if scope.get("path") in _INFERENCE_PATHS:
                 record_failure(lifecycle.metrics, "overload")
-            await shutting_down_error().to_response()(scope, receive, send)
+            await shutting_down_error().to_response(scope.get("path"))(scope, receive, send)
             return
         lifecycle.num_http_in_flight += 1
         try:

@@ -69,6 +69,7 @@ from engine.outputs import SchedulerStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParamsError
 from engine.structured_output import GRAMMAR_KINDS, StructuredOutputsParams
+from server.api_label import GENERATION_APIS, GENERATION_PATHS
 
 # No `<name>_created` companion series: they are not part of the catalogue, and they
 # would double the number of series Prometheus stores. (Process-wide, as vLLM does.)
@@ -78,7 +79,7 @@ PREFIX = "pagedserve:"
 FINISHED_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("validation", "overload", "aborted", "engine_error")
 # Routes whose error answers count as failed requests (not /tokenize, not 404 routes).
-COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+COUNTED_PATHS = GENERATION_PATHS
 
 # Buckets cover a GPU deployment (milliseconds) and a CPU one (seconds per token, minutes
 # per request) alike: a 1-2.5-5 series per decade.
@@ -238,6 +239,14 @@ class ServerMetrics:
             "grammar_compile_seconds",
             "Time to compile one grammar in the engine (cache hits are not compiles).",
             TOKEN_LATENCY_BUCKETS_S)
+        # ------------------------------------------------------------ per API
+        self._api_requests = Counter(
+            PREFIX + "api_requests_total",
+            "HTTP requests to the generation routes, by API (openai_chat, openai_completions, "
+            "openai_responses, anthropic_messages, ollama_chat, ollama_generate) and status "
+            "class (2xx, 4xx, 5xx).", ["model_name", "api", "status"], registry=r)
+        for api in GENERATION_APIS.values():
+            self._api_requests.labels(model_name, api, "2xx")
         self._cache_config = Info(  # per process, also with several (see the module doc)
             PREFIX + "cache_config", "KV-cache configuration (value 1; the facts are labels).",
             labels, registry=self.registry)
@@ -318,6 +327,10 @@ class ServerMetrics:
         """Count the prompts of a request the engine will constrain (None: free ones)."""
         if params is not None:
             self.structured_requests[params.kind].inc(num_prompts)
+
+    def record_api_request(self, api: str, status: str) -> None:
+        """Count one answered request of `api` (server/api_label.py) by status class."""
+        self._api_requests.labels(self.model_name, api, status).inc()
 
     def record_request_failure(self, reason: str) -> None:
         """Count a request that failed before the engine had it (see the module doc).

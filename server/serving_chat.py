@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -37,18 +38,18 @@ from server.serving_common import (
     check_common,
     check_prompts,
     check_template_kwargs,
+    collect_final,
     json_logprob,
     json_string,
     make_usage,
     new_request_id,
     record_usage,
     record_user,
-    run_until_disconnect,
     sse_body,
     usage_chunk_for,
 )
 from server.state import ServerState
-from server.tools import plan_output
+from server.tools import ToolPlan, plan_output
 
 
 def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoiceLogProbs:
@@ -65,8 +66,37 @@ def _chat_logprobs(entries: Sequence[SampleLogprob], num_top: int) -> ChatChoice
     return ChatChoiceLogProbs(content=content)
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
-                                 raw_request: Request):
+@dataclass
+class ChatRun:
+    """A chat generation the engine has (admitted and queued): what formatters need.
+
+    The caller owns `active` and must `finish()` it (EngineStreamingResponse does).
+    """
+
+    request_id: str
+    created: int
+    active: ActiveRequest
+    plan: ToolPlan
+    num_top: int  # top logprobs per token (0: none)
+    num_prompt_tokens: int
+
+    def parser(self, state: ServerState) -> ChoiceParser:
+        """A fresh parser of one choice (reasoning, tool calls; plain text passes through)."""
+        return ChoiceParser(state.reasoning_parser, self.plan)
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
+                     id_prefix: str = "chatcmpl", prompt_token_ids: list[int] | None = None,
+                     max_context: int | None = None) -> ChatRun:
+    """Check `body`, render its messages through the chat template, start the generation.
+
+    Every API that produces one assistant turn goes through here (chat completions, and
+    the Responses, Anthropic and Ollama layers, which translate their requests into a
+    ChatCompletionRequest). `prompt_token_ids`: a prompt to use instead of the rendered
+    messages (Ollama's raw generate). `max_context`: a client-side context limit below
+    the server's (Ollama's num_ctx): the prompt must fit it and the output stops at it.
+    Errors are 400 APIErrors naming chat's field names.
+    """
     check_common(state, body, body.unsupported_field())
     record_user(raw_request, body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -82,18 +112,34 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         if getattr(exc, "param", None) == "logprobs":
             exc.param = "top_logprobs"  # chat's name for the number of alternatives
         raise
-    _, prompt_token_ids = apply_chat_template(state, body.messages, body.add_generation_prompt,
-                                              plan.template_tools, template_kwargs)
+    if prompt_token_ids is None:
+        _, prompt_token_ids = apply_chat_template(state, body.messages,
+                                                  body.add_generation_prompt,
+                                                  plan.template_tools, template_kwargs)
+    if max_context is not None:
+        room = max_context - len(prompt_token_ids)
+        if room < 1:
+            raise bad_request(f"The prompt has {len(prompt_token_ids)} tokens, which leaves "
+                              f"no room in the context of {max_context}.", "num_ctx",
+                              "invalid_value")
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     if structured_outputs is not None and state.reasoning_parser is not None:
         params.structured_outputs = grammar_after_reasoning(
             state.tokenizer, state.reasoning_parser, structured_outputs, prompt_token_ids)
     check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
     state.metrics.record_structured_output(structured_outputs)
 
-    request_id = new_request_id("chatcmpl")
-    created = int(time.time())
+    request_id = new_request_id(id_prefix)
     active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
                                          priority=body.priority, cache_salt=body.cache_salt)
+    return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids))
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
+                                 raw_request: Request):
+    run = await start_chat(state, body, raw_request)
+    request_id, created, active, plan, num_top = (run.request_id, run.created, run.active,
+                                                  run.plan, run.num_top)
     if body.stream:
         finals: list[RequestOutput | None] = [None]
         parsers = [ChoiceParser.make(state.reasoning_parser, plan) for _ in range(body.n)]
@@ -102,18 +148,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         return EngineStreamingResponse(
             sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
-    async def collect() -> RequestOutput:
-        final = None
-        async for output in active.streams[0]:
-            final = output
-        return final
-
-    try:
-        final = await run_until_disconnect(raw_request, collect())
-    finally:
-        await active.finish()
-    if (error := active.error()) is not None:
-        raise error
+    final = await collect_final(raw_request, active)
     choices = []
     for output in final.outputs:
         parser = ChoiceParser.make(state.reasoning_parser, plan)

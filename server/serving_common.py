@@ -12,15 +12,23 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from engine.frontend.processor import check_prompt
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from server.errors import APIError, bad_request, from_exception
+from server.errors import APIError, bad_request, from_exception, validation_error
 from server.lifecycle import ActiveRequest
-from server.protocol import ChatMessage, PromptTokensDetails, SamplingFields, UsageInfo
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
 from server.state import ServerState
 from server.tools import template_tool_calls
 
@@ -206,6 +214,14 @@ def check_prompts(state: ServerState, prompts: Sequence[list[int]], params: Samp
             raise error from exc
 
 
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A ChatCompletionRequest from another API's translated fields; a 400 if invalid."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from None
+
+
 def message_text(message: ChatMessage) -> str:
     if message.content is None:
         return ""
@@ -389,6 +405,27 @@ async def _aclose(iterator: Any) -> None:
         await aclose()
 
 
+async def collect_final(raw_request: Request, active: ActiveRequest) -> RequestOutput:
+    """The last RequestOutput of a one-prompt request (not streamed); finishes `active`.
+
+    Raises ClientDisconnected when the client leaves, or the server's abort error
+    (deadline, shutdown).
+    """
+    async def collect() -> RequestOutput:
+        final = None
+        async for output in active.streams[0]:
+            final = output
+        return final
+
+    try:
+        final = await run_until_disconnect(raw_request, collect())
+    finally:
+        await active.finish()
+    if (error := active.error()) is not None:
+        raise error
+    return final
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -402,8 +439,9 @@ class EngineStreamingResponse(StreamingResponse):
     gets to the generator.
     """
 
-    def __init__(self, content: AsyncIterator[str], active: ActiveRequest):
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(self, content: AsyncIterator[str], active: ActiveRequest,
+                 media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type)
         self.active = active
 
     async def __call__(self, scope, receive, send) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from server.lifecycle import Lifecycle, ServerLimits
 from server.metrics import ServerMetrics
+from server.response_store import ResponseStore
 from server.xray import XrayOptions
 
 
@@ -36,10 +37,15 @@ class ServerState:
     # Chat: the parser of tool_choice "auto" (None: "auto" is refused) and of reasoning.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # The Responses API's stored responses (built from `limits` if not given).
+    responses: ResponseStore | None = None
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:
             self.lifecycle = Lifecycle(self.engine, self.limits, self.metrics)
+        if self.responses is None:
+            self.responses = ResponseStore(self.limits.responses_store_size,
+                                           self.limits.responses_store_ttl_s)
 
     @property
     def model_name(self) -> str:

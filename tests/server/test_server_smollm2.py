@@ -86,3 +86,34 @@ def test_stop_string_across_tokens_in_real_text(client, chat_answer):
     assert stopped.message.content == expected and stopped.finish_reason == "stop"
     chunks = client.chat.completions.create(stop=[stop], stream=True, **kwargs)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_other_apis_give_the_chat_answer(server, chat_answer):
+    """Responses, Anthropic Messages and Ollama are translations onto the chat path: with
+    the real model and its template, each gives chat completions' greedy answer, streamed
+    or not."""
+    import anthropic
+    import ollama
+
+    expected = chat_answer.message.content
+    model, question = CHAT["model"], CHAT["messages"]
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                       timeout=120) as client:
+        kwargs = dict(model=model, input=question, temperature=0, max_output_tokens=10)
+        assert client.responses.create(**kwargs).output_text == expected
+        with client.responses.stream(**kwargs) as stream:
+            assert stream.get_final_response().output_text == expected
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0,
+                             timeout=120) as client:
+        kwargs = dict(model=model, messages=question, max_tokens=10,
+                      extra_body={"temperature": 0})
+        assert client.messages.create(**kwargs).content[0].text == expected
+        with client.messages.stream(**kwargs) as stream:
+            assert "".join(stream.text_stream) == expected
+    client = ollama.Client(host=server.url, timeout=120,
+                           headers={"Authorization": f"Bearer {API_KEY}"})
+    options = {"temperature": 0, "num_predict": 10}
+    assert client.chat(model=model, messages=question, options=options).message.content == \
+        expected
+    parts = client.chat(model=model, messages=question, options=options, stream=True)
+    assert "".join(part.message.content for part in parts) == expected

@@ -60,6 +60,7 @@ METRICS: dict[str, str] = {
     "pagedserve:cache_config_info": "info",
     "pagedserve:structured_output_requests_total": "counter",
     "pagedserve:grammar_compile_seconds": "histogram",
+    "pagedserve:api_requests_total": "counter",
 }
 # Label values the server documents for its labelled counters.
 LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
@@ -70,6 +71,11 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("pagedserve:structured_output_requests_total", "kind"): frozenset(
         {"json", "json_object", "regex", "choice", "grammar"}
     ),
+    ("pagedserve:api_requests_total", "api"): frozenset(
+        {"openai_chat", "openai_completions", "openai_responses", "anthropic_messages",
+         "ollama_chat", "ollama_generate"}
+    ),
+    ("pagedserve:api_requests_total", "status"): frozenset({"2xx", "4xx", "5xx"}),
 }
 # Series Prometheus itself produces for every target.
 STANDARD_SERIES: dict[str, str] = {"up": "gauge"}

@@ -342,3 +342,40 @@ def serving(proc: ServerProcess) -> Iterator[ServerProcess]:
         raise
     yield proc
     assert proc.stop() == 0, "\n".join(proc.lines[-30:])
+
+
+# A chat template for the echo model under the API layers (Anthropic, Ollama, Responses):
+# the prompt, and so the greedy answer up to EOS, is exactly what a test chose: system
+# text as [sys:...], earlier turns' tool calls as name{arguments} and tool results as
+# [call id:result], then the last message's content.
+ECHO_CHAT_TEMPLATE = (
+    "{% for m in messages[:-1] %}"
+    "{% if m.role == 'system' %}[sys:{{ m.content }}]{% endif %}"
+    "{% for c in m.tool_calls or [] %}"
+    "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% if m.role == 'tool' %}[{{ m.tool_call_id }}:{{ m.content }}]{% endif %}{% endfor %}"
+    "{{ messages[-1]['content'] }}<|im_end|>"
+)
+
+
+# In a message to the echo chat server, this text makes the fake model fail the request
+# (its token, <|endoftext|>, is the executor's fail_token_id there).
+FAIL_TEXT = "<|endoftext|>"
+
+
+def start_echo_chat_server(tokenizer_dir: Path, **options) -> ServerThread:
+    """The echo server with ECHO_CHAT_TEMPLATE, the hermes tool-call parser and the qwen3
+    reasoning parser: a user message's text comes back as the answer, <think> blocks as
+    reasoning and <tool_call> blocks as tool calls; a message with FAIL_TEXT fails in
+    the model step."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = ECHO_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(tokenizer_dir))
+    api_server = build_fake_server(tokenizer_dir, **{
+        "max_model_len": 512, "executor_kwargs": {"fail_token_id": SPECIAL_TOKENS.index(FAIL_TEXT)},
+        **options})
+    api_server.options.tool_call_parser = "hermes"
+    api_server.options.reasoning_parser = "qwen3"
+    return ServerThread(api_server).start()
