@@ -116,7 +116,9 @@ class DraftVerifier:
         if len(md.generators) < md.num_reqs:
             noise.uniform_(generator=self.generator)
         for pos, generator in md.generators.items():
-            uniform[pos] = torch.rand(1, generator=generator, device=device)[0]
+            # A seeded row without a draft draws just its V uniforms, as in the sampler.
+            if has_draft[pos]:
+                uniform[pos] = torch.rand(1, generator=generator, device=device)[0]
             noise[pos].uniform_(generator=generator)
         accepted = (has_draft_t & (uniform < acceptance_probability(draft_probs))).cpu().numpy()
         residual = residual_probs(probs, drafts, has_draft_t)

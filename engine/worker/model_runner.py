@@ -72,6 +72,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids: dict[str, int | None] = {}
         self._prompt_logprobs_req_ids: set[str] = set()  # requests that want them
+        # Seeded generators of preempted requests, for their resumption: a request that
+        # verified drafts drew more than one row of uniforms per token.
+        self._preempted_generators: dict[str, torch.Generator] = {}
         self.input_batch = InputBatch(max_num_reqs, max_model_len, self.max_num_blocks_per_req)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.sampler = Sampler()
@@ -156,9 +159,12 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.eos_token_ids.pop(req_id, None)
             self._prompt_logprobs_req_ids.discard(req_id)
+            self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
-            self._remove_row(req_id)  # keep its state: it will resume
+            generator = self._remove_row(req_id)  # keep its state: it will resume
+            if generator is not None:
+                self._preempted_generators[req_id] = generator
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -212,12 +218,15 @@ class ModelRunner:
         self.sampling_state.add_request(
             row, state.sampling_params, state.prompt_token_ids, state.output_token_ids,
             self.eos_token_ids.get(state.req_id),
+            generator=self._preempted_generators.pop(state.req_id, None),
         )
 
-    def _remove_row(self, req_id: str) -> None:
+    def _remove_row(self, req_id: str) -> torch.Generator | None:
+        """Free the request's row; returns its seeded generator (None if unseeded)."""
         row = self.input_batch.remove_request(req_id)
         if row is not None:
-            self.sampling_state.remove_request(row)
+            return self.sampling_state.remove_request(row)
+        return None
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         batch = self.input_batch
