@@ -161,3 +161,18 @@ def test_preempting_a_speculating_request_frees_everything():
     assert num_preempted > 0 and num_spec_steps > 0
     assert not scheduler.has_unfinished_requests()
     assert_all_blocks_free(scheduler)
+
+
+def test_xray_shows_each_requests_acceptance():
+    from engine.core.xray import XrayRecorder, build_snapshot
+    from engine.xray_schema import XrayLimits
+
+    scheduler = make_spec_scheduler()
+    add(scheduler, "a", CYCLE * 2)
+    add(scheduler, "b", [17, 11, 99, 98, 97, 96, 5, 17])
+    step(scheduler)
+    step(scheduler)
+    snapshot = build_snapshot(scheduler, XrayRecorder(scheduler), 2, XrayLimits())
+    rows = {r.req_id: r for r in snapshot.running}
+    assert (rows["a"].num_draft_tokens, rows["a"].num_accepted_tokens) == (4, 4)
+    assert (rows["b"].num_draft_tokens, rows["b"].num_accepted_tokens) == (4, 0)
