@@ -139,3 +139,19 @@ def test_config_from_vllm_json():
                                           "prompt_lookup_max": 1})
     assert (config.num_speculative_tokens, config.prompt_lookup_min,
             config.prompt_lookup_max) == (3, 1, 1)
+
+
+def test_cli_flag_as_vllm_spells_it():
+    from server.cli import engine_config_from_args, make_arg_parser
+
+    parser = make_arg_parser()
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", '
+                              '"num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+                              '"prompt_lookup_max": 4}'])
+    config = engine_config_from_args(args, "/m", "m").speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == (
+        "ngram", 3, 4)
+    assert engine_config_from_args(parser.parse_args([]), "/m", "m").speculative_config is None
+    for bad in ('{"method": "ngram"', '[1]', '{"num_speculative_tokens": 99}'):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])
