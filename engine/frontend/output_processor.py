@@ -146,9 +146,11 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             # Several tokens at once (speculative decoding): none after a stop string.
             num_kept = seq.detokenizer.num_tokens_kept
-            seq.token_ids.extend(new_token_ids[:num_kept])
+            cut = num_kept < len(new_token_ids)
+            seq.token_ids.extend(new_token_ids[:num_kept] if cut else new_token_ids)
             if seq.logprobs is not None and core_output.new_logprobs is not None:
-                seq.logprobs.extend(self.convert_logprobs(core_output.new_logprobs)[:num_kept])
+                converted = self.convert_logprobs(core_output.new_logprobs)
+                seq.logprobs.extend(converted[:num_kept] if cut else converted)
         if state.prompt_logprobs is not None and core_output.new_prompt_logprobs is not None:
             state.prompt_logprobs.extend(self.convert_logprobs(core_output.new_prompt_logprobs))
         state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
