@@ -140,9 +140,9 @@ class Speculator:
             state.window_draft_tokens = state.window_accepted_tokens = 0
 
     def finish(self, request: Request) -> None:
-        state = self._states.pop(request.req_id, None)
-        if self.suffix_index is not None and state is not None:
-            self.suffix_index.add(state.sync(request.all_token_ids))
+        self._states.pop(request.req_id, None)
+        if self.suffix_index is not None and request.num_output_tokens > 0:
+            self.suffix_index.add(np.asarray(request.all_token_ids, dtype=np.int64))
 
     def acceptance(self, req_id: str) -> tuple[int, int]:
         """(draft tokens proposed, accepted) for a live request; (0, 0) if none."""

@@ -249,3 +249,21 @@ def test_default_model_copying_accepts_drafts_and_equals_plain():
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     assert "fixed-size blocks" in with_drafts[0].outputs[0].text
     assert_all_blocks_free(llm)
+
+
+def test_tensor_parallel_ranks_agree_on_verified_drafts(model_dir, prompts, plain):
+    """TP=2: drafts travel in the step message; every rank keeps rank 0's verification
+    (greedy, and sampled: the random draws of rank 0 decide)."""
+    _, reference = plain
+    some = prompts[:3]
+    with LLM(model_dir, speculative_config=SPEC, tensor_parallel_size=2, **HARD) as llm:
+        use_oracle(llm, reference)
+        counts = SpecCounts(llm)
+        got = llm.generate(some, GREEDY, use_tqdm=False)
+        sampled = llm.generate(some, SamplingParams(temperature=0.8, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 16 for o in sampled)
+        assert_all_blocks_free(llm)
+    assert [o.outputs[0].token_ids for o in got] == [
+        reference[tuple(p)].token_ids[:32] for p in some]
+    assert counts.accepted > 0

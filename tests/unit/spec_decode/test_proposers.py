@@ -117,8 +117,8 @@ def test_speculator_respects_limits_and_sampling_rules():
 
 def test_suffix_speculator_learns_from_finished_requests():
     speculator = Speculator(SpeculativeConfig(method="suffix", num_speculative_tokens=3))
-    done = _Request("a", [7, 8, 9, 10, 11, 12])
-    speculator.propose(done, 3)
+    done = _Request("a", [7, 8, 9])
+    done.all_token_ids += [10, 11, 12]  # its output
     speculator.finish(done)
     assert speculator.propose(_Request("b", [1, 8, 9]), 3) == [10, 11, 12]
 
