@@ -79,6 +79,59 @@ class DeviceConfig:
     cpu_layout: str = "shared"
 
 
+SPEC_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode/), spelled as vLLM's --speculative-config.
+
+    Each step a decoding request may carry up to `num_speculative_tokens` proposed
+    tokens that the model verifies in the same forward pass. `ngram` looks the request's
+    last `prompt_lookup_max`..`prompt_lookup_min` tokens up earlier in its own tokens;
+    `suffix` also looks in this server's recent outputs.
+    Back-off: no proposals while more than `disable_by_batch_size` requests run (a wide
+    step is compute-bound: verifying costs more than it saves), and a request whose
+    acceptance rate falls below `min_acceptance_rate` (after `backoff_min_draft_tokens`
+    proposed tokens) stops proposing for `backoff_tokens` generated tokens.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 8
+    min_acceptance_rate: float = 0.2
+    backoff_min_draft_tokens: int = 16
+    backoff_tokens: int = 64
+    # suffix: how many recent outputs (and prompts) of finished requests it remembers.
+    suffix_cache_max_requests: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; "
+                             f"choose one of {list(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be positive")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From vLLM's JSON keys; unknown keys are an error (a typo would go unnoticed)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        values = dict(values)
+        # vLLM's default prompt_lookup_min is prompt_lookup_max when only that is given.
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = min(cls.prompt_lookup_min, values["prompt_lookup_max"])
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -86,6 +139,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    # None: no speculative decoding (every step decodes one token per request).
+    speculative_config: SpeculativeConfig | None = None
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)

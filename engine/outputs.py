@@ -96,6 +96,12 @@ class SchedulerStats:
     step_duration_s: float = 0.0
     # Structured outputs: seconds of each grammar compile that finished since the last stats.
     grammar_compile_seconds: list[float] = field(default_factory=list)
+    # Speculative decoding, since the last stats (vLLM's spec_decode_* counters): requests
+    # that verified a draft, draft tokens, accepted ones, and accepted ones by position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

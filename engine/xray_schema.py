@@ -51,6 +51,9 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     num_preemptions: int
     age_s: float  # since arrival
     block_runs: list[tuple[int, int]]
+    # Speculative decoding: draft tokens it verified, and how many the model accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Only with --xray-show-text (filled by the frontend, never by the core; absent otherwise).
     prompt_text: str | None = None
     output_text: str | None = None

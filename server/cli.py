@@ -24,6 +24,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_size,
 )
 
@@ -63,6 +64,20 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -218,6 +233,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     switch("--async-scheduling", "Schedule the next step while the current one runs, so "
            "the engine's own work (scheduling, outputs) overlaps the model instead of adding "
            "to it.", default=False)
+    flag("--speculative-config", "Speculative decoding, as vLLM spells it: JSON such as "
+         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+         "\"prompt_lookup_max\": 5}'. Methods: ngram (prompt lookup), suffix (also this "
+         "server's recent outputs). Extra keys: disable_by_batch_size (no drafts while more "
+         "requests run; default 8), min_acceptance_rate, backoff_tokens. Turns "
+         "--async-scheduling off. Default: off.", type=_speculative_config)
     switch("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
            "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
            "--max-num-seqs.", default=False)
@@ -309,6 +330,7 @@ def engine_config_from_args(args: argparse.Namespace, model_dir: str,
             enable_expert_parallel=args.enable_expert_parallel),
         device_config=DeviceConfig(device=args.device, attention_backend=args.attention_backend,
                                    cpu_threads=args.cpu_threads, cpu_layout=args.cpu_layout),
+        speculative_config=args.speculative_config,
     )
 
 

@@ -247,6 +247,20 @@ class ServerMetrics:
             "class (2xx, 4xx, 5xx).", ["model_name", "api", "status"], registry=r)
         for api in GENERATION_APIS.values():
             self._api_requests.labels(model_name, api, "2xx")
+        # ------------------------------------------------------------ speculative decoding
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts_total",
+            "Drafts verified (a request carrying draft tokens in a step counts once).")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens_total", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self._spec_decode_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by their position in the draft (0 = first).",
+            ["model_name", "position"], registry=r)
+        self.spec_decode_accepted_per_pos = [
+            self._spec_decode_accepted_per_pos.labels(model_name, "0")]
         self._cache_config = Info(  # per process, also with several (see the module doc)
             PREFIX + "cache_config", "KV-cache configuration (value 1; the facts are labels).",
             labels, registry=self.registry)
@@ -285,9 +299,22 @@ class ServerMetrics:
             self.inter_token_latency.observe(seconds)
         for seconds in stats.grammar_compile_seconds:
             self.grammar_compile_time.observe(seconds)
+        if stats.spec_num_drafts:
+            self._on_spec_decode(stats)
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)
+
+    def _on_spec_decode(self, stats: SchedulerStats) -> None:
+        self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        per_pos = self.spec_decode_accepted_per_pos
+        for pos, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            while len(per_pos) <= pos:
+                per_pos.append(self._spec_decode_accepted_per_pos.labels(
+                    self.model_name, str(len(per_pos))))
+            per_pos[pos].inc(count)
 
     def on_request_finished(self, output: RequestOutput, error: str | None) -> None:
         """Count the request; observe its latencies.

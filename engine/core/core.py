@@ -76,12 +76,18 @@ class EngineCore:
         scheduler_config = replace(
             config.scheduler_config, max_model_len=self.kv_cache_info.max_model_len
         )
+        if config.speculative_config is not None and scheduler_config.async_scheduling:
+            # A draft is looked up from the request's last token, which async scheduling
+            # does not know yet when it schedules the next step.
+            logger.warning("speculative decoding turns async scheduling off")
+            scheduler_config = replace(scheduler_config, async_scheduling=False)
         cache_config = replace(config.cache_config, block_size=self.kv_cache_info.block_size)
         self.structured_output = StructuredOutputManager(
             functools.partial(_load_tokenizer, config.model_config.model),
             self.kv_cache_info.vocab_size)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks,
-                                   structured_output=self.structured_output)
+                                   structured_output=self.structured_output,
+                                   speculative_config=config.speculative_config)
         self.num_steps = 0  # steps scheduled with work
         self.num_steps_applied = 0  # of those, steps whose results are applied
         self._fault_injector = StepFaultInjector()

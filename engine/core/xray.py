@@ -187,7 +187,8 @@ def build_snapshot(scheduler: Scheduler, recorder: XrayRecorder, num_steps: int,
     num_block_ids_left = limits.max_block_ids  # shared by every listed request, in order
     for queue, listed in ((scheduler.running, running), (scheduler.waiting, waiting)):
         for request in itertools.islice(queue, limits.max_requests):
-            listed.append(_request(request, manager, now, num_block_ids_left))
+            listed.append(_request(request, manager, now, num_block_ids_left,
+                                   scheduler.speculator))
             num_block_ids_left -= sum(count for _, count in listed[-1].block_runs)
     config = scheduler.config
     snapshot = XraySnapshot(
@@ -223,9 +224,12 @@ def _steps(rows: deque[tuple]) -> XraySteps:
     return XraySteps(*columns)
 
 
-def _request(request: Request, manager, now: float, max_block_ids: int) -> XrayRequest:
+def _request(request: Request, manager, now: float, max_block_ids: int,
+             speculator=None) -> XrayRequest:
     blocks = manager.req_to_blocks.get(request.req_id, [])
     listed = blocks[:max(max_block_ids, 0)]
+    num_drafted, num_accepted = (speculator.acceptance(request.req_id) if speculator
+                                 else (0, 0))
     return XrayRequest(
         req_id=request.req_id,
         status=request.status.name.lower(),
@@ -239,6 +243,8 @@ def _request(request: Request, manager, now: float, max_block_ids: int) -> XrayR
         num_preemptions=request.num_preemptions,
         age_s=max(now - request.arrival_time, 0.0),
         block_runs=id_runs([block.block_id for block in listed]),
+        num_draft_tokens=num_drafted,
+        num_accepted_tokens=num_accepted,
     )
 
 

@@ -3,6 +3,8 @@
 One `IncrementalDetokenizer` per sequence. Contract:
   * `update(new_token_ids, ...)` decodes new tokens and checks stop strings; it
     returns the stop string that matched (the sequence must then be stopped) or None.
+    Tokens after the one that completed a stop string are not output:
+    `num_tokens_kept` counts the last update's tokens that are.
   * `get_text(finished)` is the text a client may see so far. Across calls it only
     grows (each result is a prefix of the next), so streamed deltas concatenate to the
     final text. It never ends in half a character: a token that ends inside a
@@ -86,6 +88,9 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.num_output_tokens = 0
         self.stop_string: str | None = None
+        # Of the last update's tokens, how many belong to the output (all of them unless
+        # a stop string ended it partway).
+        self.num_tokens_kept = 0
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(_REPLACEMENT):
@@ -124,17 +129,31 @@ class IncrementalDetokenizer:
         left out unless `include_stop_str_in_output`.
         """
         if self.stop_string is not None:
+            self.num_tokens_kept = 0
             return self.stop_string  # already stopped: later tokens are discarded
         token_ids = list(new_token_ids)
-        self.num_output_tokens += len(token_ids)
+        self.num_tokens_kept = len(token_ids)
         if stop_token_terminated and token_ids and not self.include_stop_str_in_output:
             token_ids = token_ids[:-1]
-        previous_len = len(self.output_text)
-        for token_id in token_ids:
+        if not self.stop:
+            self.num_output_tokens += self.num_tokens_kept
+            for token_id in token_ids:
+                self.output_text += self._next_text(token_id)
+            return None
+        # Stop strings are checked after every token: with speculative decoding one
+        # update carries several, and the tokens after the one that completes a stop
+        # string are not part of the output (`num_tokens_kept` says how many are).
+        for index, token_id in enumerate(token_ids):
+            previous_len = len(self.output_text)
             self.output_text += self._next_text(token_id)
-        if self.stop and self.num_output_tokens > self.min_tokens:
-            self._check_stop_strings(previous_len)
-        return self.stop_string
+            self.num_output_tokens += 1
+            if self.num_output_tokens > self.min_tokens:
+                self._check_stop_strings(previous_len)
+                if self.stop_string is not None:
+                    self.num_tokens_kept = index + 1
+                    return self.stop_string
+        self.num_output_tokens += self.num_tokens_kept - len(token_ids)  # the stop token
+        return None
 
     def _next_text(self, token_id: int) -> str:
         self._tokens.append(token_id)

@@ -21,6 +21,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     parse_size,
 )
 from engine.core.core import EngineCore
@@ -66,6 +67,7 @@ class LLM:
         batch_invariant: bool = False,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -95,6 +97,8 @@ class LLM:
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                            enable_expert_parallel=enable_expert_parallel),
             device_config=DeviceConfig(device=device, attention_backend=attention_backend),
+            speculative_config=(SpeculativeConfig.from_dict(speculative_config)
+                                if isinstance(speculative_config, dict) else speculative_config),
         )
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len

@@ -137,19 +137,23 @@ class OutputProcessor:
                     to_abort.append(sibling.core_req_id)
             return state
         new_token_ids = core_output.new_token_ids
+        # A stop token (EOS or a stop token id) ends the sequence: its text is hidden.
+        stop_string = seq.detokenizer.update(
+            new_token_ids, stop_token_terminated=core_output.stopped_by_token)
         if new_token_ids:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
-            seq.token_ids.extend(new_token_ids)
+            # Several tokens at once (speculative decoding): none after a stop string.
+            num_kept = seq.detokenizer.num_tokens_kept
+            cut = num_kept < len(new_token_ids)
+            seq.token_ids.extend(new_token_ids[:num_kept] if cut else new_token_ids)
             if seq.logprobs is not None and core_output.new_logprobs is not None:
-                seq.logprobs.extend(self.convert_logprobs(core_output.new_logprobs))
+                converted = self.convert_logprobs(core_output.new_logprobs)
+                seq.logprobs.extend(converted[:num_kept] if cut else converted)
         if state.prompt_logprobs is not None and core_output.new_prompt_logprobs is not None:
             state.prompt_logprobs.extend(self.convert_logprobs(core_output.new_prompt_logprobs))
         state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
-        # A stop token (EOS or a stop token id) ends the sequence: its text is hidden.
-        stop_string = seq.detokenizer.update(
-            new_token_ids, stop_token_terminated=core_output.stopped_by_token)
         if stop_string is not None:
             seq.finish("stop", stop_string)
             if not core_output.finished:

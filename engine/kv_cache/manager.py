@@ -183,6 +183,26 @@ class KVCacheManager:
         self._no_work_until.pop(request.req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> int | None:
+        """Free `request`'s tail blocks past the first `num_tokens` tokens (speculative
+        decoding: the slots of rejected draft tokens). Returns the request's block count
+        when blocks were freed, else None.
+
+        Example: block_size 4, 3 blocks held for 11 slots, 6 tokens kept -> block 2 is
+        freed (blocks 0 and 1 hold tokens 0..7). Freed blocks were never hashed: a hash
+        covers only full blocks of the request's real tokens.
+        """
+        blocks = self.req_to_blocks.get(request.req_id)
+        num_kept = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= num_kept:
+            return None
+        freed = blocks[num_kept:]
+        del blocks[num_kept:]
+        assert all(block.block_hash is None for block in freed)
+        self.block_pool.free_blocks(reversed(freed))
+        self._no_work_until[request.req_id] = self._tokens_without_work(request.req_id)
+        return num_kept
+
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, [])]
 

@@ -68,6 +68,13 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Structured outputs: masks for the constrained requests that sample this step.
     grammar: GrammarBitmask | None = None
+    # Speculative decoding: req_id -> the draft tokens it verifies this step (they are
+    # the last len(drafts) of its num_scheduled_tokens). Empty when nobody speculates.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> its block count after a rollback of rejected drafts freed its tail
+    # blocks (since its last step): the runner cuts its block list there before
+    # appending new_block_ids.
+    num_blocks_after_rollback: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

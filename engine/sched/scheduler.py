@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
@@ -40,6 +40,7 @@ from engine.sched.output import (
     SchedulerOutput,
 )
 from engine.sched.request_queue import make_request_queue
+from engine.spec_decode import Speculator
 from engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         if (
             not scheduler_config.enable_chunked_prefill
@@ -87,6 +89,13 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []
         self._constrained_req_ids: set[str] = set()
         self._grammar_failures: list[EngineCoreOutput] = []
+        # Speculative decoding (None: off, and the step loop never looks at drafts).
+        # Async scheduling is off with it (EngineCore): drafts need the last token.
+        self.speculator = Speculator(speculative_config) if speculative_config else None
+        self.spec_max_running = (speculative_config.disable_by_batch_size
+                                 if speculative_config else 0)
+        # req_id -> block count after a rollback freed tail blocks, for the next step.
+        self._num_blocks_after_rollback: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -175,6 +184,9 @@ class Scheduler:
 
     def _free_request(self, request: Request, discard_cached: bool = False) -> None:
         self.kv_cache_manager.free(request, discard_cached)
+        if self.speculator is not None:
+            self.speculator.finish(request)
+            self._num_blocks_after_rollback.pop(request.req_id, None)
         self.finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
         self._scheduled_times.pop(request.req_id, None)
@@ -200,8 +212,13 @@ class Scheduler:
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
+        speculator = self.speculator
+        if speculator is not None and len(self.running) > self.spec_max_running:
+            speculator = None  # a wide batch: one more token per request costs more than it saves
 
-        unscheduler = _Unscheduler(scheduled_running, num_scheduled_tokens, new_block_ids)
+        unscheduler = _Unscheduler(scheduled_running, num_scheduled_tokens, new_block_ids,
+                                   spec_tokens)
 
         # 1. Running requests, in order.
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -222,10 +239,23 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
+            drafts = None
+            if (speculator is not None and num_new_tokens == 1
+                    and num_computed == len(request.all_token_ids) - 1):
+                # A decode: room for drafts within the budget, the model length, and
+                # max_tokens (the bonus token counts: k drafts emit up to k + 1).
+                drafts = speculator.propose(request, min(
+                    token_budget - 1, last_position - num_computed - 1,
+                    request.max_tokens - request.num_output_tokens - 1))
+                num_new_tokens += len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
+                if drafts:  # no room for the drafts: decode normally first
+                    drafts = None
+                    num_new_tokens = 1
+                    continue
                 victim = self._pick_preemption_victim()
                 if victim in scheduled_running:
                     # Only under the priority policy: give back its tokens this step.
@@ -239,6 +269,8 @@ class Scheduler:
                 break  # `request` itself was preempted; nothing lower is left to run
             scheduled_running.append(request)
             num_scheduled_tokens[request.req_id] = num_new_tokens
+            if drafts:
+                spec_tokens[request.req_id] = drafts
             new_block_ids[request.req_id] = [b.block_id for b in new_blocks] if new_blocks else []
             token_budget -= num_new_tokens
             index += 1
@@ -292,6 +324,10 @@ class Scheduler:
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
             new_block_ids, preempted,
         )
+        if self.speculator is not None:
+            output.scheduled_spec_decode_tokens = spec_tokens
+            output.num_blocks_after_rollback = self._num_blocks_after_rollback
+            self._num_blocks_after_rollback = {}
         # The scheduled tokens count as computed from now on: the runner computes them
         # before any later step. With async scheduling, a request that samples in this
         # step gets a placeholder for that token until update_from_output appends it;
@@ -433,6 +469,7 @@ class Scheduler:
         all_prompt_logprobs = runner_output.prompt_logprobs
         max_model_len = self.max_model_len
         running_status, last_unfinished = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None:
@@ -480,6 +517,8 @@ class Scheduler:
                 if grammar is not None and grammar.terminated:
                     request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
                     break
+            if spec_tokens and req_id in spec_tokens and sampled:
+                self._roll_back_rejected(request, len(spec_tokens[req_id]), len(sampled) - 1)
             num_generation_tokens += len(new_token_ids)
             if new_token_ids:
                 if request.last_token_time is None:  # its first token: the prompt is done
@@ -518,6 +557,19 @@ class Scheduler:
             outputs=outputs, scheduler_stats=stats, timestamp=time.time(),
             scheduled_times=scheduled_times,
         )
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After a verified draft: un-compute the rejected drafts' slots and free the
+        blocks that held only them. The step computed the last token and the drafts;
+        the sampled tokens are the accepted drafts plus one more (not computed yet)."""
+        self.speculator.record(request.req_id, num_drafts, num_accepted, request.num_tokens)
+        num_rejected = num_drafts - num_accepted
+        if num_rejected == 0 or request.is_finished:
+            return
+        request.num_computed_tokens -= num_rejected
+        num_blocks = self.kv_cache_manager.free_blocks_beyond(request, request.num_tokens)
+        if num_blocks is not None:
+            self._num_blocks_after_rollback[request.req_id] = num_blocks
 
     def _dequeue(self, request: Request, running: bool) -> None:
         """Take a request that is finishing out of `running` (or `waiting`)."""
@@ -561,6 +613,12 @@ class Scheduler:
         self._num_preemptions_since_stats = 0
         if self.structured_output is not None:
             stats.grammar_compile_seconds = self.structured_output.take_compile_seconds()
+        if self.speculator is not None:
+            spec = self.speculator.take_stats()
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_num_accepted_tokens_per_pos = spec.num_accepted_tokens_per_pos
         return stats
 
     def reset_prefix_cache(self) -> bool:
@@ -572,10 +630,11 @@ class _Unscheduler:
     has scheduled so far (under the priority policy a victim may already be in it)."""
 
     def __init__(self, scheduled_running: list[Request], num_scheduled_tokens: dict[str, int],
-                 new_block_ids: dict[str, list[int]]):
+                 new_block_ids: dict[str, list[int]], spec_tokens: dict[str, list[int]]):
         self.scheduled_running = scheduled_running
         self.num_scheduled_tokens = num_scheduled_tokens
         self.new_block_ids = new_block_ids
+        self.spec_tokens = spec_tokens
 
     def take_back(self, victim: Request) -> int:
         """Unschedule `victim` if the step scheduled it; returns the tokens freed."""
@@ -583,4 +642,5 @@ class _Unscheduler:
             return 0
         self.scheduled_running.remove(victim)
         self.new_block_ids.pop(victim.req_id)
+        self.spec_tokens.pop(victim.req_id, None)
         return self.num_scheduled_tokens.pop(victim.req_id)

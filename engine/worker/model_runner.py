@@ -20,9 +20,11 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
+from engine.distributed.parallel_state import get_tp_group
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
+from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
 from engine.worker.input_batch import CachedRequestState, InputBatch
@@ -40,6 +42,12 @@ class ModelInputs:
     # Requests that sample this step (their whole known sequence is now computed).
     sample_req_indices: np.ndarray  # indices into req_ids
     logits_indices: torch.Tensor  # token index of each sampling request's last token
+    # Speculative decoding (None in a step without drafts): logits_indices then holds
+    # each sampling request's last 1 + k tokens; num_sample_rows[i] = 1 + k of request
+    # sample_req_indices[i]; draft_token_ids the draft each of those rows verifies
+    # (-1 on a request's last row).
+    num_sample_rows: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -64,9 +72,13 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids: dict[str, int | None] = {}
         self._prompt_logprobs_req_ids: set[str] = set()  # requests that want them
+        # Seeded generators of preempted requests, for their resumption: a request that
+        # verified drafts drew more than one row of uniforms per token.
+        self._preempted_generators: dict[str, torch.Generator] = {}
         self.input_batch = InputBatch(max_num_reqs, max_model_len, self.max_num_blocks_per_req)
         self.sampling_state = SamplingState(max_num_reqs, vocab_size, device)
         self.sampler = Sampler()
+        self.draft_verifier = DraftVerifier()
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs = (
             DecodeGraphRunner(decode_graphs, model, backend, device, max_model_len, block_size,
@@ -120,7 +132,10 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
-        sampled = self._sample(inputs, hidden_states, scheduler_output.grammar)
+        if inputs.draft_token_ids is not None:
+            sampled = self._sample_with_drafts(inputs, hidden_states, scheduler_output.grammar)
+        else:
+            sampled = self._sample(inputs, hidden_states, scheduler_output.grammar)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(inputs.req_ids)},
@@ -144,9 +159,12 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.eos_token_ids.pop(req_id, None)
             self._prompt_logprobs_req_ids.discard(req_id)
+            self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
-            self._remove_row(req_id)  # keep its state: it will resume
+            generator = self._remove_row(req_id)  # keep its state: it will resume
+            if generator is not None:
+                self._preempted_generators[req_id] = generator
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -160,6 +178,8 @@ class ModelRunner:
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs_req_ids.add(new.req_id)
             self._add_row(state)
+        if scheduler_output.num_blocks_after_rollback:
+            self._cut_block_lists(scheduler_output.num_blocks_after_rollback)
         cached = scheduler_output.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -181,17 +201,32 @@ class ModelRunner:
         rows = np.fromiter((req_id_to_row[r] for r in cached.req_ids), np.int64, cached.num_reqs)
         batch.num_computed_tokens[rows] = cached.num_computed_tokens
 
+    def _cut_block_lists(self, num_blocks_after_rollback: dict[str, int]) -> None:
+        """Rejected drafts freed some requests' tail blocks: forget them here too."""
+        batch = self.input_batch
+        for req_id, num_blocks in num_blocks_after_rollback.items():
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            del state.block_ids[num_blocks:]
+            row = batch.req_id_to_row.get(req_id)
+            if row is not None:
+                batch.num_blocks[row] = num_blocks
+
     def _add_row(self, state: CachedRequestState) -> None:
         row = self.input_batch.add_request(state)
         self.sampling_state.add_request(
             row, state.sampling_params, state.prompt_token_ids, state.output_token_ids,
             self.eos_token_ids.get(state.req_id),
+            generator=self._preempted_generators.pop(state.req_id, None),
         )
 
-    def _remove_row(self, req_id: str) -> None:
+    def _remove_row(self, req_id: str) -> torch.Generator | None:
+        """Free the request's row; returns its seeded generator (None if unseeded)."""
         row = self.input_batch.remove_request(req_id)
         if row is not None:
-            self.sampling_state.remove_request(row)
+            return self.sampling_state.remove_request(row)
+        return None
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         batch = self.input_batch
@@ -211,6 +246,13 @@ class ModelRunner:
         #                   position 9 -> its 5th block; slot = block * 2 + 9 % 2
         cu_num_tokens = np.cumsum(num_scheduled)
         total = int(cu_num_tokens[-1])
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_tokens:
+            # Drafts sit right after each request's known tokens, where positions read.
+            for req_id, drafts in spec_tokens.items():
+                row = batch.req_id_to_row[req_id]
+                start = batch.num_tokens[row]
+                batch.token_ids[row, start:start + len(drafts)] = drafts
         req_indices = np.repeat(np.arange(len(req_ids)), num_scheduled)
         offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         num_computed = batch.num_computed_tokens[rows]
@@ -230,6 +272,10 @@ class ModelRunner:
         # middle of a chunked prefill does not.
         sample_req_indices = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
         logits_indices = cu_num_tokens[sample_req_indices] - 1
+        num_sample_rows = draft_token_ids = None
+        if spec_tokens:
+            num_sample_rows, draft_token_ids, logits_indices = self._draft_rows(
+                [req_ids[i] for i in sample_req_indices.tolist()], spec_tokens, logits_indices)
         return ModelInputs(
             req_ids=req_ids,
             row_indices=rows,
@@ -238,7 +284,30 @@ class ModelRunner:
             attn_metadata=metadata,
             sample_req_indices=sample_req_indices,
             logits_indices=torch.from_numpy(logits_indices).to(self.device),
+            num_sample_rows=num_sample_rows,
+            draft_token_ids=draft_token_ids,
         )
+
+    @staticmethod
+    def _draft_rows(sample_req_ids: list[str], spec_tokens: dict[str, list[int]],
+                    last_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Logits rows of a step with drafts: each sampling request's last 1 + k tokens.
+
+        Worked example: last token indices [4, 9] (requests a, b), a has drafts [7, 8]:
+          num_rows        = [3, 1]
+          logits_indices  = [2, 3, 4, 9]        (last - k .. last for each request)
+          draft_token_ids = [7, 8, -1, -1]      (row i verifies draft i; the last row none)
+        """
+        drafts = [spec_tokens.get(req_id, ()) for req_id in sample_req_ids]
+        num_rows = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))
+        total = int(num_rows.sum())
+        ends = np.cumsum(num_rows)
+        offsets = np.arange(total) - np.repeat(ends - num_rows, num_rows)  # 0..k per request
+        logits_indices = np.repeat(last_indices - num_rows + 1, num_rows) + offsets
+        draft_token_ids = np.full(total, -1, dtype=np.int64)
+        for start, draft in zip((ends - num_rows).tolist(), drafts, strict=True):
+            draft_token_ids[start:start + len(draft)] = draft
+        return num_rows, draft_token_ids, logits_indices
 
     def _make_metadata(self, query_start_loc, seq_lens, block_table, slot_mapping):
         to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
@@ -302,6 +371,66 @@ class ModelRunner:
                     token_ids=[lp_token_ids[i][: 1 + num_logprobs]],
                     logprobs=[lp_values[i][: 1 + num_logprobs]],
                     ranks=[lp_ranks[i]],
+                )
+        return sampled_token_ids, logprobs
+
+    def _sample_with_drafts(
+        self, inputs: ModelInputs, hidden_states: torch.Tensor,
+        grammar: GrammarBitmask | None = None,
+    ) -> tuple[list[list[int]], dict[str, Logprobs]]:
+        """`_sample` for a step with drafts: each sampling request gets its accepted
+        drafts and one more token (engine/sample/rejection.py); requests without drafts
+        one token, from the same distribution as `_sample`'s."""
+        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        if len(inputs.sample_req_indices) == 0:
+            return sampled_token_ids, {}
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        num_rows = inputs.num_sample_rows
+        starts = np.cumsum(num_rows) - num_rows
+        sample_rows = inputs.row_indices[inputs.sample_req_indices]
+        metadata = self.sampling_state.make_metadata(np.repeat(sample_rows, num_rows))
+        if grammar is not None:
+            # Constrained requests carry no drafts: their one logits row is their start.
+            position = {inputs.req_ids[r]: int(starts[i])
+                        for i, r in enumerate(inputs.sample_req_indices)}
+            masks = [i for i, req_id in enumerate(grammar.req_ids) if req_id in position]
+            if masks:
+                metadata.grammar_rows = [position[grammar.req_ids[i]] for i in masks]
+                metadata.grammar_bitmask = grammar.bitmask[masks]
+        verified = self.draft_verifier(logits, metadata, inputs.draft_token_ids, num_rows)
+        emitted, num_accepted = verified.emitted_token_ids, verified.num_accepted
+        tp_group = get_tp_group()
+        if tp_group.size > 1:  # rank 0's random draws decide, as with FirstRankSampler
+            both = torch.from_numpy(np.concatenate([emitted, num_accepted])).to(self.device)
+            both = tp_group.broadcast_from_first(both).cpu().numpy()
+            emitted, num_accepted = both[:len(emitted)], both[len(emitted):]
+        num_emitted = num_accepted + 1
+        # Bookkeeping, as in `_sample`: column j holds each request's j-th new token.
+        batch = self.input_batch
+        for j in range(int(num_emitted.max())):
+            has = np.flatnonzero(num_emitted > j)
+            rows, token_ids = sample_rows[has], emitted[starts[has] + j]
+            batch.token_ids[rows, batch.num_tokens[rows]] = token_ids
+            batch.num_tokens[rows] += 1
+            self.sampling_state.append_output_tokens(rows, token_ids)
+        req_ids, requests = inputs.req_ids, self.requests
+        lp = verified.logprobs
+        lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
+            if lp is not None else None
+        logprobs: dict[str, Logprobs] = {}
+        for i, req_index in enumerate(inputs.sample_req_indices.tolist()):
+            start, count = int(starts[i]), int(num_emitted[i])
+            token_ids = emitted[start:start + count].tolist()
+            sampled_token_ids[req_index] = token_ids
+            state = requests[req_ids[req_index]]
+            state.output_token_ids.extend(token_ids)
+            num_logprobs = state.sampling_params.logprobs
+            if lp_lists is not None and num_logprobs is not None:
+                end = start + count
+                logprobs[state.req_id] = Logprobs(
+                    token_ids=[row[:1 + num_logprobs] for row in lp_lists[0][start:end]],
+                    logprobs=[row[:1 + num_logprobs] for row in lp_lists[1][start:end]],
+                    ranks=lp_lists[2][start:end],
                 )
         return sampled_token_ids, logprobs
 

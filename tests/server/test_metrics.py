@@ -162,6 +162,21 @@ def test_on_step():
     assert value(samples, p("step_duration_seconds_bucket"), le="0.03") == 0
 
 
+def test_spec_decode_counters():
+    metrics = ServerMetrics("m")
+    for _ in range(2):
+        metrics.on_step(SchedulerStats(
+            num_scheduled_tokens=10, spec_num_drafts=2, spec_num_draft_tokens=7,
+            spec_num_accepted_tokens=4, spec_num_accepted_tokens_per_pos=[2, 1, 1, 0]))
+    samples, types = parse(metrics.render()[0].decode())
+    assert value(samples, p("spec_decode_num_drafts_total")) == 4
+    assert value(samples, p("spec_decode_num_draft_tokens_total")) == 14
+    assert value(samples, p("spec_decode_num_accepted_tokens_total")) == 8
+    per_pos = {pos: value(samples, p("spec_decode_num_accepted_tokens_per_pos_total"),
+                          position=str(pos)) for pos in range(4)}
+    assert per_pos == {0: 4, 1: 2, 2: 2, 3: 0}
+
+
 def test_gauges_follow_the_latest_step():
     metrics = ServerMetrics("m")
     metrics.on_step(SchedulerStats(num_running_reqs=5, num_waiting_reqs=1, kv_cache_usage=0.9))

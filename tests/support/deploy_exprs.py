@@ -61,6 +61,10 @@ METRICS: dict[str, str] = {
     "pagedserve:structured_output_requests_total": "counter",
     "pagedserve:grammar_compile_seconds": "histogram",
     "pagedserve:api_requests_total": "counter",
+    "pagedserve:spec_decode_num_drafts_total": "counter",
+    "pagedserve:spec_decode_num_draft_tokens_total": "counter",
+    "pagedserve:spec_decode_num_accepted_tokens_total": "counter",
+    "pagedserve:spec_decode_num_accepted_tokens_per_pos_total": "counter",
 }
 # Label values the server documents for its labelled counters.
 LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {

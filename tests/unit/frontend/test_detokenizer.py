@@ -112,6 +112,24 @@ def test_stop_string_across_token_boundaries(tokenizer):
         assert all(not v.endswith("f") and "fox" not in v for v in visible)
 
 
+def test_tokens_after_a_stop_string_in_one_update_are_not_kept(tokenizer):
+    """Speculative decoding hands over several tokens at once: the ones after the token
+    that completes a stop string are not part of the output."""
+    text = "The quick brown fox jumps over the lazy dog."
+    token_ids = tokenizer.encode(text)
+    stop = "fox jum"
+    detok = IncrementalDetokenizer(tokenizer, stop=[stop])
+    assert detok.update(token_ids) == stop
+    kept = detok.num_tokens_kept
+    assert kept < len(token_ids)
+    assert stop in tokenizer.decode(token_ids[:kept])
+    assert stop not in tokenizer.decode(token_ids[:kept - 1])
+    assert detok.get_text() == "The quick brown "
+    plain = IncrementalDetokenizer(tokenizer)
+    plain.update(token_ids)
+    assert plain.num_tokens_kept == len(token_ids)
+
+
 def test_stop_string_inside_one_token_and_earliest_wins(tokenizer):
     text = "Hello world, hello there!"
     token_ids = tokenizer.encode(text)

@@ -1,0 +1,156 @@
+"""The scheduler's speculator: draft tokens per request, acceptance and back-off."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.config import SpeculativeConfig
+from engine.spec_decode.ngram import find_ngram_draft
+from engine.spec_decode.suffix import SuffixIndex
+
+
+class Request(Protocol):
+    """What the speculator reads of engine.request.Request."""
+
+    req_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: Any  # SamplingParams
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+@dataclass
+class SpecDecodingStats:
+    """Drafts verified since the last `take_stats` (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0  # requests that carried draft tokens, counted per step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_pos[i]: drafts whose token i was accepted (i < num_speculative_tokens).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+
+class _RequestSpec:
+    """One request's token copy (numpy, for the lookups) and acceptance counts."""
+
+    __slots__ = ("tokens", "num_tokens", "eligible", "num_draft_tokens", "num_accepted_tokens",
+                 "window_draft_tokens", "window_accepted_tokens", "paused_until")
+
+    def __init__(self, eligible: bool):
+        self.tokens = np.zeros(256, dtype=np.int64)
+        self.num_tokens = 0
+        self.eligible = eligible
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.window_draft_tokens = 0  # since the last back-off decision
+        self.window_accepted_tokens = 0
+        self.paused_until = 0  # no drafts while the request has fewer tokens than this
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """Append the tokens added since the last call; the request's tokens as numpy."""
+        num_tokens = len(token_ids)
+        if num_tokens > len(self.tokens):
+            grown = np.zeros(max(num_tokens, 2 * len(self.tokens)), dtype=np.int64)
+            grown[:self.num_tokens] = self.tokens[:self.num_tokens]
+            self.tokens = grown
+        if num_tokens != self.num_tokens:
+            start = min(self.num_tokens, num_tokens)
+            self.tokens[start:num_tokens] = token_ids[start:]
+            self.num_tokens = num_tokens
+        return self.tokens[:num_tokens]
+
+
+def may_speculate(params: Any) -> bool:
+    """Whether a request's sampling allows drafts: the verifier gives every draft
+    position the same sampling state, so history-dependent rules (penalties) opt out,
+    as do grammars (their mask needs each token before the next)."""
+    return (params.structured_outputs is None
+            and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
+
+
+class Speculator:
+    """Proposes draft tokens for decoding requests and learns from their acceptance.
+
+    Contract with the scheduler:
+      * `propose(request, max_drafts)` for a request whose next step is a single decode
+        token; returns at most `max_drafts` token ids (often none);
+      * `record(req_id, num_drafts, num_accepted, num_tokens)` once per verified draft;
+      * `finish(request)` when the request is freed (any reason).
+    """
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self._states: dict[str, _RequestSpec] = {}
+        self._stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self.suffix_index = (SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
+                                         config.suffix_cache_max_requests)
+                             if config.method == "suffix" else None)
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        state = self._states.get(request.req_id)
+        if state is None:
+            state = self._states[request.req_id] = _RequestSpec(
+                may_speculate(request.sampling_params))
+        num_drafts = min(self.num_speculative_tokens, max_drafts)
+        token_ids = request.all_token_ids
+        if (not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until
+                or request.num_output_tokens < request.sampling_params.min_tokens):
+            return []
+        tokens = state.sync(token_ids)
+        config = self.config
+        draft = find_ngram_draft(tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                                 num_drafts)
+        if self.suffix_index is not None and len(draft) < num_drafts:
+            other = self.suffix_index.propose(tokens, num_drafts)
+            if len(other) > len(draft):
+                draft = other
+        return draft.tolist()
+
+    def record(self, req_id: str, num_drafts: int, num_accepted: int, num_tokens: int) -> None:
+        """A draft of `num_drafts` tokens was verified; `num_accepted` of them matched.
+        `num_tokens`: the request's tokens now (for the back-off pause)."""
+        stats = self._stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+        state = self._states.get(req_id)
+        if state is None:
+            return
+        state.num_draft_tokens += num_drafts
+        state.num_accepted_tokens += num_accepted
+        state.window_draft_tokens += num_drafts
+        state.window_accepted_tokens += num_accepted
+        config = self.config
+        if state.window_draft_tokens >= config.backoff_min_draft_tokens:
+            rate = state.window_accepted_tokens / state.window_draft_tokens
+            if rate < config.min_acceptance_rate:
+                state.paused_until = num_tokens + config.backoff_tokens
+            state.window_draft_tokens = state.window_accepted_tokens = 0
+
+    def finish(self, request: Request) -> None:
+        self._states.pop(request.req_id, None)
+        if self.suffix_index is not None and request.num_output_tokens > 0:
+            self.suffix_index.add(np.asarray(request.all_token_ids, dtype=np.int64))
+
+    def acceptance(self, req_id: str) -> tuple[int, int]:
+        """(draft tokens proposed, accepted) for a live request; (0, 0) if none."""
+        state = self._states.get(req_id)
+        return (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
+
+    def take_stats(self) -> SpecDecodingStats:
+        stats = self._stats
+        self._stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * self.num_speculative_tokens)
+        return stats
