@@ -120,6 +120,7 @@ def test_fuzz(api_schema, http_session, label, mode):
             # num_predict mostly overflow the context.
             for field in ("tools", "tool_choice", "options"):
                 case.body.pop(field, None)
+            case.body.pop("previous_response_id", None)  # a random id is a 404
         response = case.call_and_validate(session=http_session, checks=CHECKS, timeout=30)
         statuses.append(response.status_code)
 
@@ -128,4 +129,5 @@ def test_fuzz(api_schema, http_session, label, mode):
     assert len(statuses) >= num_examples - 10, len(statuses)
     if mode is GenerationMode.POSITIVE and label in GENERATING:
         # Enough valid requests got through validation to exercise the engine path.
-        assert sum(200 <= status < 300 for status in statuses) >= 5, statuses
+        assert sum(200 <= status < 300 for status in statuses) >= \
+            (5 if label in OPERATIONS else 3), statuses
