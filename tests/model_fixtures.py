@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,9 +39,11 @@ _CORPUS = [
 ] * 4
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                   "qwen3_moe": "Qwen3MoeConfig"}
+                   "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
+                   "phi3": "Phi3Config"}
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,6 +86,8 @@ def tiny_config(arch: str = "llama", **overrides: Any):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, architectures=[_ARCH_CLASSES[arch]],
     )
+    if arch == "mistral":
+        kwargs.update(sliding_window=None)  # the default, 4096, is past every tiny context
     if arch == "qwen3_moe":
         kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
