@@ -192,6 +192,7 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int,
 # original HF weights rather than against itself.
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHITECTURES = tuple(_GGUF_ARCH)  # those build_tiny_gguf writes
 _TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

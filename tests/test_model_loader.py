@@ -14,7 +14,7 @@ from engine.model_loader import gguf as gguf_module
 from engine.model_loader import source as source_module
 from tests.hf_reference import load_hf_model
 from tests.model_fixtures import (
-    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
     build_tiny_checkpoint,
     build_tiny_gguf,
     build_tiny_tokenizer,
@@ -96,7 +96,7 @@ def test_default_model_without_its_package_says_how_to_install(monkeypatch):
 
 # -- GGUF ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_gguf_conversion_matches_original_weights(arch, tmp_path):
     """llama.cpp-style GGUF (permuted Llama q/k, stacked experts) -> same logits as the original."""
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch, tie_word_embeddings=arch == "qwen2")

@@ -176,7 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.scratch = ScratchBuffers()
         self.kernel = paged_attention_kernel() if use_cpu_kernel else None
-        self._planned: tuple[AttentionMetadata, KernelRows] | None = None
+        self._planned: tuple[np.ndarray, KernelRows] | None = None
 
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
         return (2, num_kv_heads, num_blocks, block_size, head_size)
@@ -219,8 +219,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def kernel_rows(self, metadata: AttentionMetadata) -> KernelRows:
         """The step's `KernelRows`, planned on the first layer's call and reused."""
-        if self._planned is None or self._planned[0] is not metadata:
-            self._planned = (metadata, KernelRows.plan(metadata))
+        # Keyed by the step's lengths array, which every KV group's metadata shares (the
+        # plan reads no block table): one plan per step, whichever group asks first.
+        if self._planned is None or self._planned[0] is not metadata.seq_lens_np:
+            self._planned = (metadata.seq_lens_np, KernelRows.plan(metadata))
         return self._planned[1]
 
     def _attend_with_kernel(self, query, kv_cache, metadata, scale, out,
