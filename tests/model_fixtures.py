@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,10 +40,11 @@ _CORPUS = [
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
-                   "phi3": "Phi3Config"}
+                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,6 +89,14 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     )
     if arch == "mistral":
         kwargs.update(sliding_window=None)  # the default, 4096, is past every tiny context
+    if arch == "gemma3":
+        # 6 layers, 5 local : 1 global (layer 5), a 20-token window, both RoPE bases.
+        del kwargs["rope_theta"]
+        kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=16, sliding_window=20,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters={
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     if arch == "qwen3_moe":
         kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

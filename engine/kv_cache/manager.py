@@ -3,6 +3,7 @@ allocation."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,11 +94,11 @@ class KVCacheManager:
         Example: 100 blocks of 16, groups full + 2 x sliding W 32, steps of 16 tokens:
         each sliding group holds <= cdiv(31 + 16, 16) + 1 = 4 -> (100 - 8) * 16 tokens."""
         num_full = sum(1 for g in self.groups if g.sliding_window is None)
-        if len(self.groups) == 1 or num_full == 0:
-            return self.num_blocks * self.block_size
         num_sliding_blocks = sum(
             cdiv(g.sliding_window - 1 + max_num_new_tokens, self.block_size) + 1
             for g in self._sliding_groups)
+        if num_full == 0:  # only windows: any length, if one window's worth fits
+            return sys.maxsize if num_sliding_blocks <= self.num_blocks else 0
         return max(0, (self.num_blocks - num_sliding_blocks) // num_full) * self.block_size
 
     @property

@@ -70,7 +70,8 @@ class DecoderAttention(nn.Module):
     """
 
     def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, scale: float | None = None,
+                 norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
         tp = get_tp_group()
         total_heads = config.num_attention_heads
@@ -85,12 +86,12 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias,
                                         col_range=heads.q_rows)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
+            self.q_norm = norm_class(self.head_size, eps=config.rms_norm_eps)
+            self.k_norm = norm_class(self.head_size, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              scale=self.head_size**-0.5, sliding_window=sliding_window)
+                              scale=scale or self.head_size**-0.5, sliding_window=sliding_window)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         num_tokens = hidden_states.shape[0]

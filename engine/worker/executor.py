@@ -107,8 +107,9 @@ class Worker:
 
         batch_invariant.set_enabled(config.model_config.batch_invariant)
         model = load_model(model_dir, dtype, device, config.model_config.quantization)
-        self.max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
-        self.vocab_size = hf_config.vocab_size
+        text_config = hf_config.get_text_config()  # a multimodal checkpoint's language model
+        self.max_model_len = resolve_max_model_len(text_config, config.model_config.max_model_len)
+        self.vocab_size = text_config.vocab_size
         block_size = config.cache_config.block_size
         self.backend = select_attention_backend(config.device_config.attention_backend, device,
                                                 block_size)
