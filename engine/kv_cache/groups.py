@@ -77,8 +77,13 @@ def layer_slots(groups: list[KVCacheGroupSpec], num_layers: int) -> list[tuple[i
     return slots
 
 
-def group_block_hash(block_hash: BlockHash, group_id: int) -> BlockHash:
+# The key a block is cached under: group 0's plain hash, (hash, group) for the others.
+CacheKey = BlockHash | tuple[BlockHash, int]
+
+
+def group_block_hash(block_hash: BlockHash, group_id: int) -> CacheKey:
     """The key a group's block is cached under. Every group computes the same tokens'
-    blocks, so group g > 0 suffixes its id: its blocks never answer another group's
-    lookup; group 0 keeps the plain hash (one-group models are unchanged)."""
-    return block_hash if group_id == 0 else block_hash + b"#g" + group_id.to_bytes(2, "little")
+    blocks, so group g > 0 pairs the hash with its id: its blocks never answer another
+    group's lookup; group 0 keeps the plain hash (one-group models are unchanged, and
+    the x-ray's prefix tree, which shows group 0, keeps reading bytes keys)."""
+    return block_hash if group_id == 0 else (block_hash, group_id)

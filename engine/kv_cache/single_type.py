@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_hash import BlockHash
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.groups import group_block_hash
+from engine.kv_cache.groups import CacheKey, group_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,7 +37,7 @@ class FullAttentionBlocks:
         # How many of a request's leading blocks already carry their hash.
         self.num_cached_blocks: dict[str, int] = {}
 
-    def cache_key(self, block_hash: BlockHash) -> BlockHash:
+    def cache_key(self, block_hash: BlockHash) -> CacheKey:
         return group_block_hash(block_hash, self.group_id)
 
     def cached(self, block_hash: BlockHash) -> KVCacheBlock | None:
