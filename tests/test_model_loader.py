@@ -120,6 +120,24 @@ def test_gguf_conversion_matches_original_weights(arch, tmp_path):
     assert_logits_close(prefill_logits(ours, prompts), hf_logits(load_hf(hf_dir), prompts))
 
 
+def test_gguf_end_of_turn_tokens_join_the_eos_list(tmp_path):
+    """A GGUF names one EOS; the cached generation_config adds the file's eot id and the
+    end-of-turn tokens its vocabulary holds (Gemma's <end_of_turn>), so chats stop there."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    meta = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 7}
+    gguf = SimpleNamespace(get=meta.get)
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"<eos>": 1, "<end_of_turn>": 106, "a": 5})
+    assert gguf_module.end_of_turn_ids(gguf, tokenizer) == [7, 106]
+    config = SimpleNamespace(bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    gguf_module._save_generation_config(config, tmp_path, [7, 106])
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == [1, 7, 106]
+    gguf_module._save_generation_config(config, tmp_path, [])
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 1
+
+
 def test_gguf_conversion_is_cached_and_reused(tiny_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = resolve_model(str(tiny_gguf), cache_dir=cache)

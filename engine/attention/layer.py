@@ -42,7 +42,8 @@ class Attention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache,
-            context.metadata_of_group(self.kv_group),
+            context.attn_metadata if self.kv_group == 0 else context.metadata_of_group(
+                self.kv_group),
             self.scale,
             self.sliding_window,
         )

@@ -108,7 +108,7 @@ class Scheduler:
         # (only a test-sized cache is smaller than max_model_len): past that it could
         # only preempt itself forever.
         num_cache_tokens = self.kv_cache_manager.num_tokens_fit(
-            self.config.max_num_batched_tokens)
+            min(self.config.max_num_batched_tokens, self.max_model_len))
         if request.num_prompt_tokens >= num_cache_tokens:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens does not fit the KV cache "
