@@ -63,8 +63,8 @@ def test_chat_stops_at_the_end_of_turn_token(family, tmp_path):
     try:
         tokenizer = thread.server.state.tokenizer
         messages = [{"role": "user", "content": "Hello there"}]
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        rendered = rendered["input_ids"] if isinstance(rendered, dict) else list(rendered)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer(text, add_special_tokens=False).input_ids  # as the server does
         # The echo reaches the user turn's end-of-turn token first: the reply stops there.
         stop_at = rendered.index(end_of_turn_id)
         assert eos_id not in rendered[:stop_at]
