@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.kv_cache.groups import KVCacheGroupSpec
+
 
 @dataclass(frozen=True)
 class KVCacheInfo:
@@ -15,6 +17,8 @@ class KVCacheInfo:
     block_size: int
     max_model_len: int
     vocab_size: int
+    # The model's KV-cache groups (engine.kv_cache.groups); None: one group of all layers.
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
 
 @dataclass

@@ -32,6 +32,10 @@ class XrayConfig(msgspec.Struct):
     max_num_batched_tokens: int
     policy: str
     enable_prefix_caching: bool
+    # The KV-cache groups, e.g. ["full: layers 5, 11", "sliding_window=512: layers 0, 1"];
+    # one entry for a model with one kind of attention. Block map and prefix tree show
+    # the one pool; the prefix tree group 0's chains.
+    kv_cache_groups: list[str] = []
 
 
 class XrayRequest(msgspec.Struct, omit_defaults=True):
@@ -47,13 +51,16 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     num_output_tokens: int
     max_tokens: int
     num_cached_tokens: int  # prefix-cache hit when first scheduled (0 before that)
-    num_blocks: int
+    num_blocks: int  # KV group 0's
     num_preemptions: int
     age_s: float  # since arrival
-    block_runs: list[tuple[int, int]]
+    block_runs: list[tuple[int, int]]  # KV group 0's
     # Speculative decoding: draft tokens it verified, and how many the model accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Several KV groups (sliding-window models): blocks held in each group, nulls of a
+    # sliding window not counted; absent for one group.
+    num_blocks_by_group: list[int] | None = None
     # Only with --xray-show-text (filled by the frontend, never by the core; absent otherwise).
     prompt_text: str | None = None
     output_text: str | None = None

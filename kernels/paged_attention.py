@@ -11,7 +11,8 @@ Contract (see also ``kernels.reference.paged_attention_ref``, the ground truth):
     out             [T, Hq, D]      query.dtype; rows past query_start_loc[-1] are not written
 
 Request r's ``q_len`` queries are the LAST q_len positions of its sequence; the query at
-position p attends to keys 0..p. Query head h reads kv head ``h // (Hq // Hkv)`` (GQA; MHA is
+position p attends to keys 0..p (with a sliding window W: keys p - W + 1 .. p, and the tile
+starts its walk at the block of its first query's first key). Query head h reads kv head ``h // (Hq // Hkv)`` (GQA; MHA is
 the special case Hq == Hkv).
 
 Worked example: block_size = 4, one request with 6 cached tokens and 3 new ones
@@ -84,6 +85,7 @@ def _paged_attention_kernel(
     stride_cache_d,
     stride_block_table_r,
     stride_block_table_b,
+    sliding_window,  # W > 0: a query at position p sees keys p - W + 1 .. p; 0: all keys
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_SIZE rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block (the key tile width)
@@ -129,12 +131,16 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)  # noqa: E741
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Keys needed by this tile: positions 0 .. last query position of the tile.
+    # Keys needed by this tile: positions 0 (or, with a window, the first query's first
+    # key) .. last query position of the tile. Blocks before the window are not read.
     last_pos = ctx_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
     num_blocks = last_pos // BLOCK_SIZE + 1
+    windowed = sliding_window > 0
+    first_key = tl.where(windowed, tl.maximum(ctx_len + tile_start - sliding_window + 1, 0), 0)
+    first_block = first_key // BLOCK_SIZE
     offs = tl.arange(0, BLOCK_SIZE)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_block_table_r
-    for j in range(0, num_blocks):
+    for j in range(first_block, num_blocks):
         block_id = tl.load(bt_row + j * stride_block_table_b).to(tl.int64)
         k_pos = j * BLOCK_SIZE + offs  # [BLOCK_SIZE]
         # Slots at or past seq_len hold stale data (possibly NaN): never load them.
@@ -153,19 +159,24 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_SIZE]
-        causal = k_pos[None, :] <= q_pos[:, None]
-        s = tl.where(causal, s, float("-inf"))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (
+            (k_pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window <= 0))
+        s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax. Key 0 (block 0) is visible to every row, so m is finite after the
-        # first iteration and exp(-inf - m) below is a clean 0, never NaN.
+        # Online softmax. Without a window key 0 is visible to every row, so m is finite
+        # after the first iteration. With one, a later row of the tile may see nothing in
+        # the first blocks (m stays -inf): it then subtracts 0 instead, so exp(-inf - 0)
+        # is a clean 0 and never exp(-inf + inf) = NaN.
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
-    acc = acc / l[:, None]
+    # Rows past the request's queries (masked, never stored) may have seen no key.
+    acc = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     out_ptrs = (
         out_ptr
         + q_tok[:, None] * stride_out_t
@@ -191,8 +202,10 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``out`` ``[T, Hq, D]`` (query dtype).
+    With ``sliding_window`` W a query at position p sees keys p - W + 1 .. p only.
 
     See the module docstring for the contract. ``max_query_len`` (the longest q_len in the
     batch) sizes the grid; if ``None`` it is computed from ``query_start_loc``, which costs a
@@ -236,6 +249,7 @@ def paged_attention(
         *query.stride(),
         *kv_cache.stride(),
         *block_table.stride(),
+        sliding_window or 0,
         HEAD_SIZE=head_size,
         BLOCK_D=_next_pow2(head_size),
         BLOCK_SIZE=block_size,

@@ -66,6 +66,7 @@ def paged_attention_ref(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole (paged) context.
 
@@ -75,7 +76,8 @@ def paged_attention_ref(
     at positions ``0 .. p``. Query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``.
     Computed in fp32, written in ``query.dtype`` to ``out`` (allocated if ``None``), which is
     returned. Rows past ``query_start_loc[-1]`` (padding) are left untouched.
-    ``max_query_len`` is accepted for signature compatibility and ignored.
+    ``max_query_len`` is accepted for signature compatibility and ignored. With
+    ``sliding_window`` W the query at position ``p`` sees only keys ``p - W + 1 .. p``.
     """
     del max_query_len
     num_heads = query.shape[1]
@@ -99,6 +101,8 @@ def paged_attention_ref(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+        if sliding_window is not None:
+            causal &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)

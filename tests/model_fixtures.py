@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,9 +39,12 @@ _CORPUS = [
 ] * 4
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                   "qwen3_moe": "Qwen3MoeConfig"}
+                   "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
+                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,6 +87,16 @@ def tiny_config(arch: str = "llama", **overrides: Any):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, architectures=[_ARCH_CLASSES[arch]],
     )
+    if arch == "mistral":
+        kwargs.update(sliding_window=None)  # the default, 4096, is past every tiny context
+    if arch == "gemma3":
+        # 6 layers, 5 local : 1 global (layer 5), a 20-token window, both RoPE bases.
+        del kwargs["rope_theta"]
+        kwargs.update(num_hidden_layers=6, query_pre_attn_scalar=16, sliding_window=20,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters={
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     if arch == "qwen3_moe":
         kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -187,7 +200,9 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int,
 # its Llama q/k row permutation), so the converter is checked against the
 # original HF weights rather than against itself.
 
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+              "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = tuple(_GGUF_ARCH)  # those build_tiny_gguf writes
 _TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -195,6 +210,12 @@ _TO_GGUF = {
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
 }
+
+
+# llama.cpp's Gemma 3 names for its extra norms (and its pre-feedforward one).
+_GEMMA3_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -230,8 +251,14 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if arch == "gemma3"
+                              else rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma3":  # llama.cpp: window, soft-cap; every 6th layer global, local base 10k
+        writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "qwen3_moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -261,7 +288,10 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
             writer.add_tensor(gguf_name, weight)
 
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    to_gguf = _GEMMA3_TO_GGUF if arch == "gemma3" else _TO_GGUF
     for name, weight in state.items():
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight + 1.0  # llama.cpp stores Gemma's (1 + w)
         if name == "model.embed_tokens.weight":
             add_tensor("token_embd.weight", weight)
         elif name == "model.norm.weight":
@@ -279,7 +309,7 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
                 weight = _llama_cpp_permute(weight, config.num_attention_heads)
             if arch == "llama" and module == "self_attn.k_proj":
                 weight = _llama_cpp_permute(weight, config.num_key_value_heads)
-            add_tensor(f"blk.{layer}.{_TO_GGUF[module]}.{leaf}", weight)
+            add_tensor(f"blk.{layer}.{to_gguf[module]}.{leaf}", weight)
     for (layer, proj), by_expert in experts.items():
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
         kind = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",

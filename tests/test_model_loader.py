@@ -15,7 +15,7 @@ from engine.model_loader import gguf as gguf_module
 from engine.model_loader import source as source_module
 from tests.hf_reference import load_hf_model
 from tests.model_fixtures import (
-    ARCHITECTURES,
+    GGUF_ARCHITECTURES,
     build_tiny_checkpoint,
     build_tiny_gguf,
     build_tiny_tokenizer,
@@ -97,7 +97,7 @@ def test_default_model_without_its_package_says_how_to_install(monkeypatch):
 
 # -- GGUF ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_gguf_conversion_matches_original_weights(arch, tmp_path):
     """llama.cpp-style GGUF (permuted Llama q/k, stacked experts) -> same logits as the original."""
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch, tie_word_embeddings=arch == "qwen2")
@@ -119,6 +119,24 @@ def test_gguf_conversion_matches_original_weights(arch, tmp_path):
 
     ours = load_model(resolved.path, torch.float32, "cpu")
     assert_logits_close(prefill_logits(ours, prompts), hf_logits(load_hf(hf_dir), prompts))
+
+
+def test_gguf_end_of_turn_tokens_join_the_eos_list(tmp_path):
+    """A GGUF names one EOS; the cached generation_config adds the file's eot id and the
+    end-of-turn tokens its vocabulary holds (Gemma's <end_of_turn>), so chats stop there."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    meta = {"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.eot_token_id": 7}
+    gguf = SimpleNamespace(get=meta.get)
+    tokenizer = SimpleNamespace(get_vocab=lambda: {"<eos>": 1, "<end_of_turn>": 106, "a": 5})
+    assert gguf_module.end_of_turn_ids(gguf, tokenizer) == [7, 106]
+    config = SimpleNamespace(bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    gguf_module._save_generation_config(config, tmp_path, [7, 106])
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == [1, 7, 106]
+    gguf_module._save_generation_config(config, tmp_path, [])
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 1
 
 
 def test_gguf_conversion_is_cached_and_reused(tiny_gguf, tmp_path, monkeypatch):

@@ -18,8 +18,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardContext:
+    """`attn_metadata` is KV group 0's; with several KV-cache groups (sliding-window
+    models: engine.kv_cache.groups) `group_metadata[g]` is group g's (same queries and
+    lengths, its own block table and slot mapping)."""
+
     attn_metadata: AttentionMetadata
     backend: AttentionBackend
+    group_metadata: list[AttentionMetadata] | None = None
+
+    def metadata_of_group(self, group: int) -> AttentionMetadata:
+        if group == 0 or self.group_metadata is None:  # one group (or the profiling pass)
+            return self.attn_metadata
+        return self.group_metadata[group]
 
 
 _current: ForwardContext | None = None
@@ -27,10 +37,11 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata, backend: AttentionBackend
+    attn_metadata: AttentionMetadata, backend: AttentionBackend,
+    group_metadata: list[AttentionMetadata] | None = None,
 ) -> Iterator[ForwardContext]:
     global _current
-    previous, _current = _current, ForwardContext(attn_metadata, backend)
+    previous, _current = _current, ForwardContext(attn_metadata, backend, group_metadata)
     try:
         yield _current
     finally:

@@ -11,13 +11,15 @@ from engine.attention.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged attention over this layer's slice of the KV cache.
 
+    With `sliding_window` W each query sees only its last W keys.
     `kv_cache` is set once by the model runner after it sizes the cache (in the
     backend's `kv_cache_shape` layout); the layer writes the
     step's new K/V into it and reads its context from it. Inputs and output are
     flat per token: q [T, num_heads * head_size], k/v [T, num_kv_heads * head_size].
     """
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group into {num_kv_heads} KV heads")
@@ -25,7 +27,12 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # Sliding-window attention: each query sees its last `sliding_window` keys.
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
+        # Which KV-cache group's block table this layer reads (engine.kv_cache.groups);
+        # set by the model runner with the cache.
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_forward_context()
@@ -35,7 +42,9 @@ class Attention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_size),
             v.view(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache,
-            context.attn_metadata,
+            context.attn_metadata if self.kv_group == 0 else context.metadata_of_group(
+                self.kv_group),
             self.scale,
+            self.sliding_window,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -87,7 +87,8 @@ class EngineCore:
             self.kv_cache_info.vocab_size)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks,
                                    structured_output=self.structured_output,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config,
+                                   kv_cache_groups=self.kv_cache_info.kv_cache_groups)
         self.num_steps = 0  # steps scheduled with work
         self.num_steps_applied = 0  # of those, steps whose results are applied
         self._fault_injector = StepFaultInjector()

@@ -201,7 +201,9 @@ def build_snapshot(scheduler: Scheduler, recorder: XrayRecorder, num_steps: int,
             num_blocks=manager.num_blocks, block_size=scheduler.block_size,
             max_model_len=scheduler.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, policy=config.policy,
-            enable_prefix_caching=manager.enable_caching),
+            enable_prefix_caching=manager.enable_caching,
+            kv_cache_groups=[f"{spec.kind}: layers {', '.join(map(str, spec.layer_indices))}"
+                             for spec in manager.group_specs]),
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         running=running,
@@ -245,6 +247,8 @@ def _request(request: Request, manager, now: float, max_block_ids: int,
         block_runs=id_runs([block.block_id for block in listed]),
         num_draft_tokens=num_drafted,
         num_accepted_tokens=num_accepted,
+        num_blocks_by_group=(manager.num_blocks_held(request.req_id)
+                             if manager.num_groups > 1 else None),
     )
 
 
@@ -317,6 +321,8 @@ def _prefix_tree(manager, recorder: XrayRecorder, limits: XrayLimits) -> XrayPre
     """The tree of cached blocks, summed with numpy so a 100,000-block cache stays cheap:
     nodes are indexed 0..n-1 in `cached` order, `parent[i]` is a node index or a top code."""
     cached = manager.block_pool.cached_block_hash_to_block
+    if manager.num_groups > 1:  # group 0's chains (the others' keys are (hash, group))
+        cached = {h: block for h, block in cached.items() if isinstance(h, bytes)}
     hashes = list(cached)
     n = len(hashes)
     # Hash -> node index, plus the top codes: a parent hash of None is a ROOT, one never

@@ -99,6 +99,8 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     worker starts."""
     if size == 1:
         return
+    hf_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") \
+        else hf_config
     try:
         _check_sizes(hf_config, size)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.outputs import ModelRunnerOutput
 from engine.sched import output as _sched_output
 from engine.sched.output import SchedulerOutput
@@ -48,6 +49,7 @@ class WorkerReady(msgspec.Struct, tag="worker_ready"):
     num_blocks: int
     max_model_len: int
     vocab_size: int
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
 
 class KVCacheReady(msgspec.Struct, tag="kv_cache_ready"):

@@ -242,7 +242,7 @@ class MultiprocExecutor:
             self.shutdown(grace_s=0.0)  # the others may wait for the failed rank forever
             raise
         return KVCacheInfo(num_blocks, config.cache_config.block_size, first.max_model_len,
-                           first.vocab_size)
+                           first.vocab_size, first.kv_cache_groups)
 
     # ---------------------------------------------------------------- steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -139,7 +139,8 @@ def run_worker(spec: WorkerSpec) -> None:
             expert_parallel=spec.config.parallel_config.enable_expert_parallel)
         worker = Worker(spec.config, spec.rank)
         fits = worker.load()
-        send(WorkerReady(rank, os.getpid(), fits, worker.max_model_len, worker.vocab_size))
+        send(WorkerReady(rank, os.getpid(), fits, worker.max_model_len, worker.vocab_size,
+                         worker.kv_cache_groups))
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

@@ -13,7 +13,8 @@ either exists complete or not at all; a second start finds it and converts nothi
 The config comes from the GGUF metadata and the tokenizer (with its chat template)
 from transformers' GGUF tokenizer support.
 
-Architectures: llama, qwen2, qwen3, qwen3moe.
+Architectures: llama, qwen2, qwen3, qwen3moe, gemma3 (text; llama.cpp stores its norm
+weights as 1 + w: `norm_offset` tells the loader to take the 1 back off).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live t
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 4  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 5  # bump when the output format changes: old caches are then ignored
 # The dtype the cached config declares (what `--dtype auto` follows on CUDA): float32 up to
 # this many parameters, bfloat16 above.
 FLOAT32_MAX_PARAMS = 1_500_000_000
@@ -54,7 +55,17 @@ _ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Per-architecture names that differ from _LAYER_NAMES.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {"post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# llama.cpp's Gemma 3 sliding-window pattern: every 6th layer global (hard-coded there).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -227,9 +238,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     gguf = GGUFFile(gguf_path)
     check_tensors(gguf)
     config = config_from_gguf(gguf)
-    _save_tokenizer(gguf_path, out_dir)
+    tokenizer = _save_tokenizer(gguf_path, out_dir)
     config.save_pretrained(out_dir)
-    _save_generation_config(config, out_dir)
+    _save_generation_config(config, out_dir, end_of_turn_ids(gguf, tokenizer))
     (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf_file": str(gguf_path)}))
 
 
@@ -277,6 +288,8 @@ def config_from_gguf(gguf: GGUFFile):
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if arch == "gemma3":
+        kwargs.update(_gemma3_config(gguf, kwargs))
     if arch == "qwen3moe":
         kwargs.update(
             num_experts=meta("expert_count"),
@@ -285,7 +298,7 @@ def config_from_gguf(gguf: GGUFFile):
             norm_topk_prob=True,  # llama.cpp always renormalises the top-k weights
         )
     scaling_type = meta("rope.scaling.type")
-    if scaling_type and scaling_type != "none":
+    if scaling_type and scaling_type != "none" and arch != "gemma3":
         kwargs["rope_scaling"] = {
             "rope_type": scaling_type,
             "factor": meta("rope.scaling.factor"),
@@ -297,6 +310,39 @@ def config_from_gguf(gguf: GGUFFile):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def _gemma3_config(gguf: GGUFFile, kwargs: dict) -> dict:
+    """Gemma 3's settings the way llama.cpp reads its GGUF: every 6th layer global, local
+    layers with a 10k RoPE base, the global base (and scaling) from the file; attention
+    scale 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (62 layers)."""
+    def meta(key: str, default=None):
+        return gguf.get(f"gemma3.{key}", default)
+
+    num_layers = kwargs["num_hidden_layers"]
+    window = meta("attention.sliding_window")
+    layer_types = ["full_attention" if window is None or (i + 1) % GEMMA3_GLOBAL_EVERY == 0
+                   else "sliding_attention" for i in range(num_layers)]
+    global_rope: dict = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "linear":
+        global_rope.update(rope_type="linear", factor=meta("rope.scaling.factor"))
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    return dict(
+        layer_types=layer_types, sliding_window=window or kwargs["max_position_embeddings"],
+        rope_parameters={"full_attention": global_rope,
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": GEMMA3_LOCAL_ROPE_BASE}},
+        query_pre_attn_scalar=hidden // heads if num_layers == 62 else kwargs["head_dim"],
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        hidden_activation="gelu_pytorch_tanh")
+
+
+def norm_offset(gguf: GGUFFile, gguf_name: str) -> float:
+    """What llama.cpp added to this tensor (Gemma's norms hold 1 + w), to take back off."""
+    if gguf.get("general.architecture") == "gemma3" and gguf_name.endswith("norm.weight"):
+        return 1.0
+    return 0.0
+
+
 def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     """(GGUF tensor name, HF checkpoint name) for each tensor that holds weights.
 
@@ -304,6 +350,8 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     "{expert}" for the caller to fill: `model.layers.3.mlp.experts.{expert}.up_proj.weight`.
     Raises UnsupportedGGUFError for a tensor the architectures here have no place for.
     """
+    layer_names = {**_LAYER_NAMES,
+                   **_ARCH_LAYER_NAMES.get(gguf.get("general.architecture"), {})}
     for name in gguf.tensors:
         if name == "rope_freqs.weight":
             continue
@@ -317,8 +365,8 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
         prefix = f"model.layers.{layer}"
         if kind in _EXPERT_NAMES:
             yield name, f"{prefix}.mlp.experts.{{expert}}.{_EXPERT_NAMES[kind]}.{leaf}"
-        elif kind in _LAYER_NAMES:
-            yield name, f"{prefix}.{_LAYER_NAMES[kind]}.{leaf}"
+        elif kind in layer_names:
+            yield name, f"{prefix}.{layer_names[kind]}.{leaf}"
         else:
             raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
 
@@ -351,10 +399,30 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     if not tokenizer.chat_template:
         logger.warning("%s carries no chat template", gguf_path.name)
     tokenizer.save_pretrained(out_dir)
+    return tokenizer
 
 
-def _save_generation_config(config, out_dir: Path) -> None:
+# Tokens that end a chat turn in the families served (llama.cpp also stops at them by
+# their text): Gemma's, Phi's, Llama 3's, ChatML's.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|end|>", "<|eot_id|>", "<|im_end|>")
+
+
+def end_of_turn_ids(gguf: GGUFFile, tokenizer) -> list[int]:
+    """The file's end-of-turn token ids besides its EOS: the `eot`/`eom` ids it names,
+    and the end-of-turn tokens above that its vocabulary holds (a GGUF has one EOS id,
+    where a checkpoint's generation_config lists Gemma's [<eos>, <end_of_turn>])."""
+    ids = [gguf.get(f"tokenizer.ggml.{key}_token_id") for key in ("eot", "eom")]
+    vocab = tokenizer.get_vocab()
+    ids += [vocab.get(token) for token in END_OF_TURN_TOKENS]
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    return list(dict.fromkeys(i for i in ids if i is not None and i != eos))
+
+
+def _save_generation_config(config, out_dir: Path, extra_eos_ids: list[int]) -> None:
+    """EOS first, then the end-of-turn ids: the server stops at every one of them."""
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+    eos_ids = [i for i in (config.eos_token_id, *extra_eos_ids) if i is not None]
+    eos = eos_ids if len(eos_ids) > 1 else config.eos_token_id
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
                      pad_token_id=config.pad_token_id).save_pretrained(out_dir)

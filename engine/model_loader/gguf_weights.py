@@ -37,6 +37,7 @@ from engine.model_loader.gguf import (
     check_tensors,
     has_rotary_permutation,
     hf_tensor_names,
+    norm_offset,
     unpermute_rotary_rows,
 )
 from engine.model_loader.gguf_file import GGUFFile
@@ -101,6 +102,9 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool) -> GG
             array = gguf.load(gguf_name)
             if heads is not None:
                 array = unpermute_rotary_rows(array, heads)
+            offset = norm_offset(gguf, gguf_name)
+            if offset:  # the model adds it back as it loads (OffsetRMSNorm)
+                array = array.astype(np.float32) - offset
             dense.append((hf_name, torch.from_numpy(array)))
         report.dense_tensors += 1
     for module_name, shards in pieces.items():

@@ -7,7 +7,7 @@ order on the same tensors from C++, so its output is bitwise the modules' (teste
 the modules stay the reference and run every step the stack declines:
 
 - built only for models whose layers are all `DecoderLayer`s with a `GatedMLP` (Llama,
-  Qwen2, Qwen3; not MoE), CPU weights of one dtype (float32, bfloat16 or float16),
+  Qwen2, Qwen3, Mistral and Phi-3 without a sliding window; not MoE, not Gemma 3), CPU weights of one dtype (float32, bfloat16 or float16),
   one rank (no tensor parallelism), with the C++ kernels built;
 - taken only for steps whose every token is a row of the in-place attention kernel
   (decodes and short prompt chunks, no SDPA prefill), with a cache the kernel reads.
@@ -116,6 +116,8 @@ def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
         return False
     attn = layer.self_attn
     if attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
+        return False
+    if attn.attn.sliding_window is not None:  # the stack attends to every key
         return False
     eps = layer.input_layernorm.eps  # the stack uses one eps for every norm
     if (layer.post_attention_layernorm.eps != eps

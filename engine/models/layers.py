@@ -89,6 +89,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = (1 + weight) * x / sqrt(mean(x^2) + eps). The checkpoint's
+    `weight` is stored as 1 + weight at load, so the forward is RMSNorm's (fused ops
+    included)."""
+
+    def load_shard(self, param_name: str, tensor: CheckpointTensor, shard: None) -> int:
+        return copy_checked(self.weight, read_rows(tensor).float() + 1.0, param_name)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out_features, in_features] as in HF checkpoints.
 
@@ -290,17 +299,31 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """x [..., 2I] = [gate | up] -> gelu_tanh(gate) * up (GeGLU: Gemma's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+_GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul,
+                      "gelu_tanh": GeluTanhAndMul}
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into `gate_up_proj`."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into `gate_up_proj`; act is
+    silu (SwiGLU) or gelu with the tanh approximation (GeGLU)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  hidden_act: str = "silu"):
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported MLP activation {hidden_act!r} (only 'silu')")
+        if hidden_act not in _GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {hidden_act!r} "
+                             f"(supported: {', '.join(_GATED_ACTIVATIONS)})")
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = _GATED_ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -16,7 +16,6 @@ Module names mirror the HF checkpoint's, except that q/k/v live in one
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,11 +37,28 @@ from engine.models.layers import (
 from engine.models.rotary import RotaryEmbedding, apply_rotary_qk
 from engine.models.weight_utils import load_named_weights
 
-logger = logging.getLogger(__name__)
-
 
 def head_size_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """Layer `layer_idx`'s sliding window (tokens each query sees), or None for full
+    attention. `layer_types` (transformers 5: Gemma 3, Qwen2, ...) names each layer's
+    kind; without it a `sliding_window` applies to every layer (Mistral, Phi-3) unless
+    `use_sliding_window` is off."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    # A window at least as long as the context is full attention (Phi-3.5's 262144).
+    if window >= getattr(config, "max_position_embeddings", window + 1):
+        return None
+    return int(window)
 
 
 class DecoderAttention(nn.Module):
@@ -53,7 +69,9 @@ class DecoderAttention(nn.Module):
     ranks' partial outputs.
     """
 
-    def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 sliding_window: int | None = None, scale: float | None = None,
+                 norm_class: type[RMSNorm] = RMSNorm):
         super().__init__()
         tp = get_tp_group()
         total_heads = config.num_attention_heads
@@ -68,12 +86,12 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias,
                                         col_range=heads.q_rows)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, eps=config.rms_norm_eps)
+            self.q_norm = norm_class(self.head_size, eps=config.rms_norm_eps)
+            self.k_norm = norm_class(self.head_size, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              scale=self.head_size**-0.5)
+                              scale=scale or self.head_size**-0.5, sliding_window=sliding_window)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         num_tokens = hidden_states.shape[0]
@@ -154,7 +172,6 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.config = config
-        _warn_unsupported(config)
         self.model = DecoderModel(
             config,
             lambda i: DecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i)),
@@ -167,7 +184,8 @@ class DecoderForCausalLM(nn.Module):
 
     def make_attention(self, config: Any, layer_idx: int) -> DecoderAttention:
         bias = bool(getattr(config, "attention_bias", False))
-        return DecoderAttention(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
+        return DecoderAttention(config, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                                sliding_window=layer_sliding_window(config, layer_idx))
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size,
@@ -195,7 +213,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """Llama 2/3, SmolLM, and other Llama-architecture checkpoints."""
 
 
-def _warn_unsupported(config: Any) -> None:
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        logger.warning("sliding-window attention is not implemented: layers attend to the "
-                       "whole context (exact while sequences fit in the window)")
+
+class MistralForCausalLM(DecoderForCausalLM):
+    """Mistral / Ministral: the Llama decoder, with `sliding_window` on every layer if set."""

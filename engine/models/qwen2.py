@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.llama import DecoderAttention, DecoderForCausalLM
+from engine.models.llama import DecoderAttention, DecoderForCausalLM, layer_sliding_window
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
     def make_attention(self, config: Any, layer_idx: int) -> DecoderAttention:
-        return DecoderAttention(config, qkv_bias=True, o_bias=False, qk_norm=False)
+        return DecoderAttention(config, qkv_bias=True, o_bias=False, qk_norm=False,
+                                sliding_window=layer_sliding_window(config, layer_idx))

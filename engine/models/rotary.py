@@ -4,9 +4,10 @@ Positions are arbitrary per token: a batch holds requests at different offsets,
 so cos/sin are computed from the `positions` tensor of each forward pass (once
 per pass, shared by all layers) rather than from a running sequence length.
 
-Supported `rope_type`s: default, linear, dynamic, llama3, yarn. The settings
-come from `config.rope_parameters` (transformers v5) or `rope_theta` +
-`rope_scaling` (older configs).
+Supported `rope_type`s: default, linear, dynamic, llama3, yarn, longrope. The
+settings come from `config.rope_parameters` (transformers v5) or `rope_theta` +
+`rope_scaling` (older configs); models with per-layer-type settings (Gemma 3's
+local and global layers) name the layer type.
 """
 
 from __future__ import annotations
@@ -19,22 +20,27 @@ from torch import nn
 
 from kernels.cpu_kernels import fused_ops_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one flat dict with `rope_type` and `rope_theta` set."""
+def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """The config's RoPE settings as one flat dict with `rope_type` and `rope_theta` set
+    (those of `layer_type` where the config has per-layer-type settings)."""
     params = getattr(config, "rope_parameters", None)
     if not params:
         params = getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     if "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = dict(params["full_attention"])  # per-layer-type settings
+        params = dict(params.get(layer_type) or params["full_attention"])  # per layer type
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
+    if params.get("original_max_position_embeddings") is None:
+        original = getattr(config, "original_max_position_embeddings", None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
     return params
 
 
@@ -61,6 +67,8 @@ def compute_inv_freq(
         return _llama3_inv_freq(inv_freq, params, original_max), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(params, base, rotary_dim, original_max, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(params, base, rotary_dim, original_max, max_position_embeddings)
     raise ValueError(
         f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -118,6 +126,32 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(
+    params: dict, base: float, dim: int, original_max: int, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3/3.5, Phi-4-mini): each frequency divided by its own factor, from
+    `long_factor` or `short_factor`, and cos/sin scaled by sqrt(1 + ln(s) / ln(original))
+    with s = factor (default max_position_embeddings / original_max).
+
+    transformers switches from the short to the long factors per forward pass, once the
+    sequence outgrows original_max; keys already cached keep the old rotation. A paged
+    cache shared by many requests needs one rotation per position, so the choice here is
+    made once per model: the long factors when the model serves contexts beyond
+    original_max (max_position_embeddings > original_max), else the short ones. Either
+    way it equals transformers on every sequence of the kind the choice is for.
+    """
+    factor = params.get("factor") or max_position_embeddings / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original_max)))
+    use_long = max_position_embeddings > original_max
+    ext_factors = torch.tensor(params["long_factor" if use_long else "short_factor"],
+                               dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * base**exponents), float(attention_factor)
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -138,8 +172,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
 
     @classmethod
-    def from_config(cls, config: Any, head_size: int) -> RotaryEmbedding:
-        return cls(head_size, config.max_position_embeddings, rope_parameters(config))
+    def from_config(cls, config: Any, head_size: int,
+                    layer_type: str = "full_attention") -> RotaryEmbedding:
+        return cls(head_size, config.max_position_embeddings, rope_parameters(config, layer_type))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim // 2]

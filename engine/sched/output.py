@@ -21,6 +21,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens with KV already in the blocks (prefix-cache hits)
     eos_token_id: int | None = None
+    # KV-cache groups 1.. (a model mixing sliding-window and full attention:
+    # engine.kv_cache.groups): their block ids; `block_ids` are group 0's.
+    extra_group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -36,6 +39,9 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Several KV-cache groups only: per request, groups 1..'s new (resumed: all) block
+    # ids, as `new_block_ids` is group 0's; empty for a one-group model.
+    extra_new_block_ids: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
+from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from engine.request import EngineCoreRequest, Request, RequestStatus
@@ -54,6 +55,7 @@ class Scheduler:
         num_blocks: int,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_cache_groups: list[KVCacheGroupSpec] | None = None,
     ):
         if (
             not scheduler_config.enable_chunked_prefill
@@ -67,8 +69,11 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
+        # One group unless the model mixes full and sliding-window attention: the
+        # manager then answers for every group (engine.kv_cache.groups).
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            kv_cache_groups,
         )
         self.block_hasher = (
             BlockHasher(cache_config.block_size, get_hash_fn(cache_config.prefix_caching_hash_algo))
@@ -111,7 +116,8 @@ class Scheduler:
         # A request can grow to max_model_len, and never beyond the whole KV cache
         # (only a test-sized cache is smaller than max_model_len): past that it could
         # only preempt itself forever.
-        num_cache_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        num_cache_tokens = self.kv_cache_manager.num_tokens_fit(
+            min(self.config.max_num_batched_tokens, self.max_model_len))
         if request.num_prompt_tokens >= num_cache_tokens:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens does not fit the KV cache "
@@ -405,6 +411,7 @@ class Scheduler:
                 block_ids=manager.get_block_ids(r.req_id),
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
+                extra_group_block_ids=manager.get_extra_group_block_ids(r.req_id),
             )
             for r in scheduled_new
         ]
@@ -418,6 +425,9 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]
             + [r.num_computed_tokens for r in scheduled_resumed],
         )
+        if manager.num_groups > 1:
+            cached.extra_new_block_ids = self._extra_group_block_ids(
+                scheduled_running, scheduled_resumed, new_block_ids)
         # Batch order: running first, then resumed, then new (the runner may reorder).
         # `num_scheduled_tokens` has the running ones first, then the admitted ones in
         # admission order: reorder only when resumed and new requests are both in it.
@@ -435,6 +445,21 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             grammar=self._grammar_bitmask(ordered) if self._constrained_req_ids else None,
         )
+
+    def _extra_group_block_ids(self, scheduled_running: list[Request],
+                               scheduled_resumed: list[Request],
+                               new_block_ids: dict[str, list[int]]) -> list[list[list[int]]]:
+        """Groups 1..'s part of the diff: a running request's new blocks are the last
+        as many of each group's list as group 0 got (every group grows at once); a
+        resumed request's lists are whole."""
+        manager = self.kv_cache_manager
+        extra = []
+        for request in scheduled_running:
+            num_new = len(new_block_ids[request.req_id])
+            extra.append([ids[len(ids) - num_new:] if num_new else [] for ids in
+                          manager.get_extra_group_block_ids(request.req_id)])
+        extra.extend(manager.get_extra_group_block_ids(r.req_id) for r in scheduled_resumed)
+        return extra
 
     def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> GrammarBitmask | None:
         """Masks of the constrained requests that sample this step (their scheduled

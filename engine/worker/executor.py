@@ -14,6 +14,7 @@ import torch
 
 from engine.attention.selector import select_attention_backend
 from engine.config import EngineConfig
+from engine.kv_cache.groups import KVCacheGroupSpec, make_kv_cache_groups
 from engine.kv_cache.manager import cdiv
 from engine.outputs import KVCacheInfo, ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
@@ -73,6 +74,7 @@ class Worker:
         self.device: torch.device | None = None
         self.max_model_len = 0
         self.vocab_size = 0
+        self.kv_cache_groups: list[KVCacheGroupSpec] | None = None
 
     def load(self) -> int:
         from transformers import AutoConfig
@@ -105,8 +107,9 @@ class Worker:
 
         batch_invariant.set_enabled(config.model_config.batch_invariant)
         model = load_model(model_dir, dtype, device, config.model_config.quantization)
-        self.max_model_len = resolve_max_model_len(hf_config, config.model_config.max_model_len)
-        self.vocab_size = hf_config.vocab_size
+        text_config = hf_config.get_text_config()  # a multimodal checkpoint's language model
+        self.max_model_len = resolve_max_model_len(text_config, config.model_config.max_model_len)
+        self.vocab_size = text_config.vocab_size
         block_size = config.cache_config.block_size
         self.backend = select_attention_backend(config.device_config.attention_backend, device,
                                                 block_size)
@@ -139,28 +142,37 @@ class Worker:
                                                  device),
             block_size)
         self.dtype = dtype
+        self.kv_cache_groups = make_kv_cache_groups(
+            [layer.sliding_window for layer in self.runner.attention_layers])
         available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
         if device.type == "cpu":
             available //= rank.local_size  # the CPU budget is the node's, shared by its ranks
-        return kv_cache_init.num_blocks_for(self.specs, available)
+        return kv_cache_init.num_blocks_for(self.specs, available, self.kv_cache_groups)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None, "load() first"
         block_size = self.config.cache_config.block_size
+        groups = self.kv_cache_groups
+        self.runner.set_kv_cache_groups(groups)
         self.runner.bind_kv_caches(kv_cache_init.allocate_kv_caches(
-            self.specs, num_blocks, self.device, self.backend.kv_cache_shape))
+            self.specs, num_blocks, self.device, self.backend.kv_cache_shape, groups))
         if self.rank.rank == 0:
             num_tokens = num_blocks * block_size
             logger.info(
                 "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s, %s, %s backend); "
                 "maximum concurrency at max_model_len=%d: %.2fx",
                 num_blocks, block_size, num_tokens,
-                num_blocks * sum(s.block_bytes for s in self.specs) / 2**20,
+                num_blocks * kv_cache_init.block_id_bytes(self.specs, groups) / 2**20,
                 f" on each of {self.rank.size} ranks" if self.rank.size > 1 else "",
                 self.specs[0].dtype if self.specs else self.dtype, self.backend.name,
                 self.max_model_len,
                 num_tokens / self.max_model_len,
             )
+            if len(groups) > 1:
+                logger.info("KV cache groups (%d layer slots per block): %s",
+                            max(len(g.layer_indices) for g in groups),
+                            "; ".join(f"{i}: {g.kind} layers {list(g.layer_indices)}"
+                                      for i, g in enumerate(groups)))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None, "load() first"
@@ -202,7 +214,7 @@ class ModelExecutor:
         num_blocks = choose_num_blocks(self.config, [fits], worker.max_model_len)
         worker.init_kv_cache(num_blocks)
         return KVCacheInfo(num_blocks, self.config.cache_config.block_size,
-                           worker.max_model_len, worker.vocab_size)
+                           worker.max_model_len, worker.vocab_size, worker.kv_cache_groups)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.worker is not None, "initialize() first"

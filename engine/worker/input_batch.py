@@ -34,6 +34,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # KV-cache groups 1.. (sliding-window models): their block ids; `block_ids` group 0's.
+    extra_group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +51,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # KV-cache groups 1..: one more table each (`set_num_extra_groups`); every group's
+        # row of a request has the same length, so `num_blocks` serves them all.
+        self.extra_block_tables: list[np.ndarray] = []
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives row 0 first
 
@@ -65,8 +70,12 @@ class InputBatch:
         self.num_tokens[row] = num_tokens
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_block_ids(row, state.block_ids)
+        self.append_block_ids(row, state.block_ids, state.extra_group_block_ids)
         return row
+
+    def set_num_extra_groups(self, num_extra_groups: int) -> None:
+        self.extra_block_tables = [np.zeros_like(self.block_table)
+                                   for _ in range(num_extra_groups)]
 
     def remove_request(self, req_id: str) -> int | None:
         """Release the row of `req_id` (if it has one) and return it."""
@@ -75,9 +84,12 @@ class InputBatch:
             self._free_rows.append(row)
         return row
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+    def append_block_ids(self, row: int, block_ids: list[int],
+                         extra_group_block_ids: list[list[int]] | None = None) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
+        for table, ids in zip(self.extra_block_tables, extra_group_block_ids or (), strict=False):
+            table[row, start : start + len(ids)] = ids
         self.num_blocks[row] = start + len(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:

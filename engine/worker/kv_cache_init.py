@@ -1,11 +1,13 @@
 """Sizing and allocating the KV cache at start-up (vLLM's `_initialize_kv_caches`).
 
     1. collect each attention layer's spec (KV heads, head size, dtype, block size)
+       and group the layers by attention kind (engine.kv_cache.groups)
     2. measure the memory left for KV after the weights and a profiling forward pass
-    3. num_blocks = available_bytes // bytes of one block across all layers, less
-       the padding block
-    4. allocate each layer's tensor once, in the attention backend's layout
-       (e.g. [2, num_blocks + 1, block_size, kv_heads, head_size])
+    3. num_blocks = available_bytes // bytes of one block id (across all layers; with
+       several groups across one group's layer slots), less the padding block
+    4. allocate each tensor once, in the attention backend's layout
+       (e.g. [2, num_blocks + 1, block_size, kv_heads, head_size]): one per layer, or
+       with several groups one per layer slot, shared by the groups' layers
 
 Block ids 0 .. num_blocks - 1 belong to the block pool; block id `num_blocks`, the
 padding block, is never handed out: the padded rows of a CUDA-graph decode step
@@ -23,6 +25,7 @@ import torch
 
 from engine.attention.layer import Attention
 from engine.config import KV_CACHE_DTYPES, CacheConfig
+from engine.kv_cache.groups import KVCacheGroupSpec, group_size_of, layer_slots
 
 # CPU default when --kv-cache-memory is not given: this share of available RAM, capped.
 CPU_DEFAULT_KV_SHARE = 0.25
@@ -103,32 +106,49 @@ def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) ->
 NUM_PADDING_BLOCKS = 1
 
 
-def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int) -> int:
+def block_id_bytes(specs: list[KVCacheSpec], groups: list[KVCacheGroupSpec]) -> int:
+    """Bytes one block id costs: a block in every layer, or with several groups a block
+    in each of the `group_size` shared tensors (their layers must then agree in shape)."""
+    if len(groups) == 1:
+        return sum(spec.block_bytes for spec in specs)
+    if len(set(specs)) != 1:
+        raise ValueError("sliding-window and full-attention layers with different KV shapes "
+                         f"are not supported: {sorted(set(specs), key=str)}")
+    return group_size_of(groups) * specs[0].block_bytes
+
+
+def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int,
+                   groups: list[KVCacheGroupSpec] | None = None) -> int:
     """Blocks the pool may hand out, once the padding block is set aside."""
-    total = available_bytes // sum(spec.block_bytes for spec in specs)
+    total = available_bytes // block_id_bytes(specs, groups or [KVCacheGroupSpec(None, ())])
     return max(0, total - NUM_PADDING_BLOCKS)
 
 
 def allocate_kv_caches(
     specs: list[KVCacheSpec], num_blocks: int, device: torch.device,
     shape_of: Callable[[int, int, int, int], tuple[int, ...]],
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (zeros: masked-out slots must never hold NaN), of
+    """Each layer's cache tensor, zeroed (masked-out slots must never hold NaN), of
     `num_blocks` pool blocks plus the padding block, whose id is `num_blocks`.
 
+    One tensor per layer; with several groups one per layer slot, and layer i gets
+    the tensor of its slot (the same tensor object for the layers that share it).
     `shape_of(num_blocks, block_size, num_kv_heads, head_size)` is the attention
     backend's `kv_cache_shape`: the layout is the backend's choice. On the CPU the
     zeros are untouched pages (`zero_pages`): memory is committed as blocks are used.
     """
-    caches = []
-    for spec in specs:
+    def allocate(spec: KVCacheSpec) -> torch.Tensor:
         shape = shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
                          spec.num_kv_heads, spec.head_size)
         if device.type == "cpu":
-            caches.append(zero_pages(shape, spec.dtype))
-        else:
-            caches.append(torch.zeros(shape, dtype=spec.dtype, device=device))
-    return caches
+            return zero_pages(shape, spec.dtype)
+        return torch.zeros(shape, dtype=spec.dtype, device=device)
+
+    if groups is None or len(groups) == 1:
+        return [allocate(spec) for spec in specs]
+    shared = [allocate(specs[0]) for _ in range(group_size_of(groups))]
+    return [shared[slot] for _, slot in layer_slots(groups, len(specs))]
 
 
 def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ from engine.attention.forward_context import set_forward_context
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.parallel_state import get_tp_group
+from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
@@ -39,6 +40,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
+    # KV-cache groups 1..'s metadata (their block tables and slots); empty for one group.
+    extra_group_metadata: list[AttentionMetadata]
     # Requests that sample this step (their whole known sequence is now computed).
     sample_req_indices: np.ndarray  # indices into req_ids
     logits_indices: torch.Tensor  # token index of each sampling request's last token
@@ -87,6 +90,18 @@ class ModelRunner:
         )
 
     # ---------------------------------------------------------------- KV cache
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec] | None) -> None:
+        """Tell each attention layer its KV-cache group (engine.kv_cache.groups) and
+        keep a block table per group. Several groups run every step eagerly: the decode
+        CUDA graphs replay one block table."""
+        groups = groups or []
+        for group_id, group in enumerate(groups):
+            for layer_index in group.layer_indices:
+                self.attention_layers[layer_index].kv_group = group_id
+        self.input_batch.set_num_extra_groups(max(0, len(groups) - 1))
+        if len(groups) > 1:
+            self.decode_graphs = None
+
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each attention layer its cache tensor, once, in model order; then capture
         the decode CUDA graphs, which read the caches by address.
@@ -95,7 +110,7 @@ class ModelRunner:
         padding block, which padded decode rows write to.
         """
         assert len(kv_caches) == len(self.attention_layers)
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches  # layers of different KV groups may share one tensor
         for layer, cache in zip(self.attention_layers, kv_caches, strict=True):
             layer.kv_cache = cache
         if self.decode_graphs is not None and kv_caches:
@@ -149,7 +164,9 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs.attn_metadata):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        with set_forward_context(inputs.attn_metadata, self.backend):
+        group_metadata = ([inputs.attn_metadata, *inputs.extra_group_metadata]
+                          if inputs.extra_group_metadata else None)
+        with set_forward_context(inputs.attn_metadata, self.backend, group_metadata):
             return self.model(inputs.input_ids, inputs.positions)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -172,6 +189,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                extra_group_block_ids=[list(ids) for ids in new.extra_group_block_ids],
             )
             self.requests[new.req_id] = state
             self.eos_token_ids[new.req_id] = new.eos_token_id
@@ -187,17 +205,26 @@ class ModelRunner:
         # per-request Python work only for resumed requests and new blocks (one step
         # in block_size); the counts are written as one array.
         requests, req_id_to_row = self.requests, batch.req_id_to_row
-        for req_id, resumed, new_block_ids, num_computed in zip(
+        extra = cached.extra_new_block_ids  # several KV groups only
+        for index, (req_id, resumed, new_block_ids, num_computed) in enumerate(zip(
                 cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
-                cached.num_computed_tokens, strict=True):
+                cached.num_computed_tokens, strict=True)):
             if resumed:
                 state = requests[req_id]
                 state.num_computed_tokens = num_computed
                 state.block_ids = list(new_block_ids)
+                if extra:
+                    state.extra_group_block_ids = [list(ids) for ids in extra[index]]
                 self._add_row(state)
             elif new_block_ids:
-                requests[req_id].block_ids.extend(new_block_ids)
-                batch.append_block_ids(req_id_to_row[req_id], new_block_ids)
+                state = requests[req_id]
+                state.block_ids.extend(new_block_ids)
+                if extra:
+                    for ids, new_ids in zip(state.extra_group_block_ids, extra[index],
+                                            strict=True):
+                        ids.extend(new_ids)
+                batch.append_block_ids(req_id_to_row[req_id], new_block_ids,
+                                       extra[index] if extra else None)
         rows = np.fromiter((req_id_to_row[r] for r in cached.req_ids), np.int64, cached.num_reqs)
         batch.num_computed_tokens[rows] = cached.num_computed_tokens
 
@@ -259,14 +286,25 @@ class ModelRunner:
         positions = num_computed[req_indices] + offsets
         token_rows = rows[req_indices]
         input_ids = batch.token_ids[token_rows, positions]
-        block_numbers = batch.block_table[token_rows, positions // self.block_size]
-        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        block_indices = positions // self.block_size
+        offsets_in_block = positions % self.block_size
+        block_numbers = batch.block_table[token_rows, block_indices]
+        slot_mapping = block_numbers.astype(np.int64) * self.block_size + offsets_in_block
 
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
         max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table[rows, :max_blocks]
         metadata = self._make_metadata(query_start_loc, seq_lens, block_table, slot_mapping)
+        # Every other KV group: the same tokens, its own blocks (each group's table row
+        # of a request is as long as group 0's).
+        extra_group_metadata = [
+            self._make_metadata(
+                query_start_loc, seq_lens, table[rows, :max_blocks],
+                table[token_rows, block_indices].astype(np.int64) * self.block_size
+                + offsets_in_block)
+            for table in batch.extra_block_tables
+        ]
 
         # A request samples once every token it knows is computed; a request in the
         # middle of a chunked prefill does not.
@@ -282,6 +320,7 @@ class ModelRunner:
             input_ids=torch.from_numpy(input_ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             attn_metadata=metadata,
+            extra_group_metadata=extra_group_metadata,
             sample_req_indices=sample_req_indices,
             logits_indices=torch.from_numpy(logits_indices).to(self.device),
             num_sample_rows=num_sample_rows,

@@ -11,7 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The long calls release the GIL: with --async-scheduling the scheduler thread runs
   // its Python while the worker thread is in them.
   m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(),
-        "Attention of query rows over a head-major paged KV cache, read in place (CPU).");
+        "Attention of query rows over a head-major paged KV cache, read in place (CPU); "
+        "sliding_window > 0: each row sees only its last that many keys.",
+        py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
+        py::arg("row_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0);
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),

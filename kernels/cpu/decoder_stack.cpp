@@ -98,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     const at::Tensor q_rows = q.to(at::kFloat).contiguous();
     at::Tensor attn = at::empty_like(q_rows);
     paged_attention(attn, q_rows, kv_caches[i], block_table, row_tables,
-                    seq_lens, shape.attention_scale);
+                    seq_lens, shape.attention_scale, /*sliding_window=*/0);
     h = linear(layer.o, attn.to(hidden.scalar_type()).view({tokens, q_size}));
     add_rms_norm_(h, residual, layer.post_attention_norm, shape.rms_norm_eps);
     const at::Tensor gate_up = linear(layer.gate_up, h);

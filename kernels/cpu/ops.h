@@ -11,7 +11,7 @@
 // paged_attention.cpp
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
-                     double scale);
+                     double scale, int64_t sliding_window);
 // quant_linear.cpp
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);

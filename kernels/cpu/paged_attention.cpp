@@ -16,6 +16,11 @@
 //
 //   rows  b = [.., 5, 6, ..]    row_tables = [.., 3, 3, ..]    seq_lens = [.., 8, 9, ..]
 //
+// Sliding window W > 0 (Mistral, Gemma 3's local layers): row b sees only its last W
+// keys, positions [max(0, len_b - W), len_b); the blocks before the window's first one are
+// never read (a sliding-window KV group may have freed them). Example, block_size 4,
+// W 6, len 11: keys 5..10, blocks 1 and 2 (block 0 untouched), block 1 from offset 1.
+//
 // Work item = (query row, KV head): its G query heads share every K/V block read.
 // Pass 1 writes the scaled scores of all positions, a softmax normalises them,
 // pass 2 accumulates the weighted V rows. Query and output are float32; the cache may
@@ -47,6 +52,7 @@ inline void prefetch_block(const T* block, int64_t num_values) {
 template <typename T>  // the cache's element type
 struct Problem {
   int64_t num_heads, num_kv_heads, num_blocks, block_size, group, table_stride;
+  int64_t sliding_window;  // 0: every key
   float scale;
   const float* q_all;
   const T *k_cache, *v_cache;
@@ -59,26 +65,32 @@ template <typename T, int kHeadSize>
 void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<float>& scores) {
   constexpr int kVecs = kHeadSize / 8;
   const int64_t seq_len = pb.lens[b], group = pb.group, block_size = pb.block_size;
+  // Keys [first, seq_len): all of them, or the last `sliding_window`.
+  const int64_t first = pb.sliding_window > 0 ? std::max<int64_t>(0, seq_len - pb.sliding_window) : 0;
+  const int64_t num_keys = seq_len - first;
   const int64_t block_floats = block_size * kHeadSize;
   const int64_t table_row = pb.row_tables ? pb.row_tables[b] : b;
   const int32_t* table = pb.tables + table_row * pb.table_stride;
   const float* q = pb.q_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
   const int64_t head_base = kv_head * pb.num_blocks;
-  const int64_t num_used_blocks = (seq_len + block_size - 1) / block_size;
-  scores.resize(group * seq_len);
+  const int64_t first_block = first / block_size;
+  const int64_t end_block = (seq_len + block_size - 1) / block_size;
+  scores.resize(group * num_keys);
 
-  // Pass 1: scores[g * seq_len + p] = scale * q_g . k_p, four positions at a time
-  // (four independent FMA chains instead of one).
-  for (int64_t i = 0; i < num_used_blocks; ++i) {
-    const T* k_block = pb.k_cache + (head_base + table[i]) * block_floats;
-    if (i + 1 < num_used_blocks) {
+  // Pass 1: scores[g * num_keys + p - first] = scale * q_g . k_p, four positions at a
+  // time (four independent FMA chains instead of one).
+  for (int64_t i = first_block; i < end_block; ++i) {
+    const T* block_start = pb.k_cache + (head_base + table[i]) * block_floats;
+    if (i + 1 < end_block) {
       prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
     }
-    const int64_t start = i * block_size;
-    const int64_t count = std::min(block_size, seq_len - start);
+    // This block's keys: positions [lo, hi), offsets from lo - i * block_size.
+    const int64_t lo = std::max(i * block_size, first);
+    const int64_t count = std::min((i + 1) * block_size, seq_len) - lo;
+    const T* k_block = block_start + (lo - i * block_size) * kHeadSize;
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * kHeadSize;
-      float* s = scores.data() + g * seq_len + start;
+      float* s = scores.data() + g * num_keys + (lo - first);
       int64_t t = 0;
       for (; t + 4 <= count; t += 4) {
         const T* k = k_block + t * kHeadSize;
@@ -107,23 +119,25 @@ void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<fl
   // output row held in registers: out_g = sum_p softmax_p * v_p.
   float* out = pb.out_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * seq_len;
-    const float max_score = *std::max_element(s, s + seq_len);
+    float* s = scores.data() + g * num_keys;
+    const float max_score = *std::max_element(s, s + num_keys);
     float sum = 0.f;
-    for (int64_t p = 0; p < seq_len; ++p) {
+    for (int64_t p = 0; p < num_keys; ++p) {
       s[p] = std::exp(s[p] - max_score);
       sum += s[p];
     }
     vec8 acc[kVecs] = {};
-    for (int64_t i = 0; i < num_used_blocks; ++i) {
-      const T* v_block = pb.v_cache + (head_base + table[i]) * block_floats;
-      if (g == 0 && i + 1 < num_used_blocks) {
+    for (int64_t i = first_block; i < end_block; ++i) {
+      const T* block_start = pb.v_cache + (head_base + table[i]) * block_floats;
+      if (g == 0 && i + 1 < end_block) {
         prefetch_block(pb.v_cache + (head_base + table[i + 1]) * block_floats, block_floats);
       }
-      const int64_t start = i * block_size;
-      const int64_t count = std::min(block_size, seq_len - start);
+      const int64_t lo = std::max(i * block_size, first);
+      const int64_t count = std::min((i + 1) * block_size, seq_len) - lo;
+      const T* v_block = block_start + (lo - i * block_size) * kHeadSize;
+      const float* weights = s + (lo - first);
       for (int64_t t = 0; t < count; ++t) {
-        const float weight = s[start + t];
+        const float weight = weights[t];
         const T* v = v_block + t * kHeadSize;
         for (int j = 0; j < kVecs; ++j) acc[j] += weight * load8(v + 8 * j);
       }
@@ -156,7 +170,7 @@ void attend_all(const Problem<T>& pb, int64_t num_rows) {
 template <typename T>
 void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_table, const at::Tensor& row_tables,
-         const at::Tensor& seq_lens, double scale) {
+         const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   Problem<T> pb;
@@ -166,6 +180,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
   pb.block_size = kv_cache.size(3);
   pb.group = num_heads / num_kv_heads;
   pb.table_stride = block_table.stride(0);
+  pb.sliding_window = sliding_window;
   pb.scale = static_cast<float>(scale);
   pb.q_all = query.data_ptr<float>();
   pb.out_all = out.data_ptr<float>();
@@ -182,7 +197,8 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
     TORCH_CHECK(table_row >= 0 && table_row < num_tables, "row_tables entry out of range");
     TORCH_CHECK(len >= 1 && (len + pb.block_size - 1) / pb.block_size <= max_blocks,
                 "seq_len out of range for its block table row");
-    for (int64_t i = 0; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
+    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    for (int64_t i = first / pb.block_size; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
       const int64_t block = pb.tables[table_row * pb.table_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
@@ -203,7 +219,8 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
 
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
-                     double scale) {
+                     double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 query");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
@@ -226,13 +243,13 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   }
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      run<float>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
+      run<float>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
+      run<c10::BFloat16>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
     case at::kHalf:
-      run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale);
+      run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 cache");
   }

@@ -89,8 +89,33 @@ def test_rope_parameters_from_old_style_config():
     assert rope_parameters(old) == {"type": "linear", "factor": 2.0, "rope_type": "linear",
                                     "rope_theta": 500000.0, "partial_rotary_factor": 1.0}
     assert rope_parameters(SimpleNamespace())["rope_type"] == "default"
-    with pytest.raises(ValueError, match="longrope"):
-        compute_inv_freq({"rope_type": "longrope", "rope_theta": 1e4}, 16, 256)
+    with pytest.raises(ValueError, match="longrope"):  # the error names the supported ones
+        compute_inv_freq({"rope_type": "ntk-by-parts", "rope_theta": 1e4}, 16, 256)
+
+
+@pytest.mark.parametrize("max_position_embeddings", [128, 512], ids=["short", "long"])
+def test_longrope_matches_hf(max_position_embeddings):
+    """Phi-3's LongRoPE: the short factors while the model's context is its original one,
+    the long factors (transformers' choice past the original length) once it is longer;
+    the attention factor from max_position_embeddings / original as in transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = tiny_config("phi3", max_position_embeddings=max_position_embeddings,
+                         original_max_position_embeddings=128, rope_scaling={
+                             "rope_type": "longrope", "short_factor": [1.0 + i for i in range(8)],
+                             "long_factor": [2.0 + 3 * i for i in range(8)]})
+    ours = load_model_class_rotary(config)
+    seq_len = 129 if max_position_embeddings > 128 else 16
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+    torch.testing.assert_close(ours.inv_freq, hf_inv_freq)
+    assert ours.attention_factor == pytest.approx(hf_factor)
+    assert (hf_factor > 1.0) == (max_position_embeddings > 128)
+
+
+def load_model_class_rotary(config):
+    from engine.models.rotary import RotaryEmbedding
+
+    return RotaryEmbedding.from_config(config, 16)
 
 
 def test_tied_embeddings(tmp_path, prompts):

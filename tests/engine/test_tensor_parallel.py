@@ -117,16 +117,22 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}, "none"),
     "qwen3_moe-expert-parallel": ("qwen3_moe", {}, "none"),
     "llama-int4": ("llama", {}, "int4"),
+    # 5 local (window 20) : 1 global layers: six KV groups, each rank its heads of each.
+    "gemma3-sliding-window": ("gemma3", {"tie_word_embeddings": True}, "none"),
 }
+# Gemma 3's six groups need more block ids for the same requests (an id is one layer's
+# block): 40 hold the longest request (7 full + 5 windows of <= 5) but not all six.
+NUM_BLOCKS = {"gemma3-sliding-window": 40}
 
 
 def run_engine(model_dir, quantization: str, tensor_parallel_size: int, prompts,
+               num_blocks: int = 10,
                enable_expert_parallel: bool = False):
     """Two passes over `prompts` (the second hits the prefix cache); outputs and the
     number of preemptions seen."""
     # 10 blocks of 16 tokens: the longest request (112 tokens) fits, all six do not.
     with LLM(str(model_dir), dtype="float32", quantization=quantization, max_model_len=256,
-             max_num_batched_tokens=32, num_gpu_blocks_override=10,
+             max_num_batched_tokens=32, num_gpu_blocks_override=num_blocks,
              tensor_parallel_size=tensor_parallel_size,
              enable_expert_parallel=enable_expert_parallel) as llm:
         preemptions = count_preemptions(llm)
@@ -140,8 +146,9 @@ def test_tp2_matches_tp1_and_transformers(case, tmp_path):
     arch, overrides, quantization = CASES[case]
     model_dir = build_tiny_checkpoint(tmp_path / arch, arch, **overrides)
     prompts = make_prompts()
-    one = run_engine(model_dir, quantization, 1, prompts)
-    two = run_engine(model_dir, quantization, 2, prompts,
+    num_blocks = NUM_BLOCKS.get(case, 10)
+    one = run_engine(model_dir, quantization, 1, prompts, num_blocks)
+    two = run_engine(model_dir, quantization, 2, prompts, num_blocks,
                      enable_expert_parallel=case.endswith("expert-parallel"))
 
     assert two[2] > 0, "the case was meant to preempt"

@@ -39,5 +39,9 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor | None,  # None only in the start-up profiling pass
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        ...
+        """Causal attention; with `sliding_window` W the query at position p sees only
+        keys p - W + 1 .. p (W keys, as transformers' sliding-window mask), and the
+        blocks before its window's first one are never read (a sliding-window KV group
+        may have freed them: engine.kv_cache.single_type)."""

@@ -176,16 +176,17 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self.scratch = ScratchBuffers()
         self.kernel = paged_attention_kernel() if use_cpu_kernel else None
-        self._planned: tuple[AttentionMetadata, KernelRows] | None = None
+        self._planned: tuple[np.ndarray, KernelRows] | None = None
 
     def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
         return (2, num_kv_heads, num_blocks, block_size, head_size)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale):
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale,
+                sliding_window: int | None = None):
         num_tokens = metadata.num_actual_tokens
         out = torch.empty_like(query)
         if kv_cache is None:  # profiling pass: every request is a fresh prefill
-            self._prefill_without_cache(query, key, value, metadata, scale, out)
+            self._prefill_without_cache(query, key, value, metadata, scale, out, sliding_window)
             return out
         if key.shape[0] != num_tokens:  # padded beyond the real tokens
             key, value = key[:num_tokens], value[:num_tokens]
@@ -193,17 +194,19 @@ class TorchAttentionBackend(AttentionBackend):
                           all_slots_valid=True)
         if (self.kernel_fits(query.dtype, query.shape[-1], kv_cache)
                 and metadata.block_table.dtype == torch.int32):
-            prefill_reqs = self._attend_with_kernel(query, kv_cache, metadata, scale, out)
+            prefill_reqs = self._attend_with_kernel(query, kv_cache, metadata, scale, out,
+                                                    sliding_window or 0)
         else:
             decode_reqs = metadata.decode_reqs_np
             if len(decode_reqs):
                 by_length = decode_reqs[np.argsort(metadata.seq_lens_np[decode_reqs],
                                                    kind="stable")]
                 for group in np.array_split(by_length, cdiv(len(by_length), DECODE_GROUP_SIZE)):
-                    self._decode(query, kv_cache, metadata, group, scale, out)
+                    self._decode(query, kv_cache, metadata, group, scale, out, sliding_window)
             prefill_reqs = metadata.prefill_reqs_np
         for req in prefill_reqs:
-            self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out)
+            self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out,
+                          sliding_window)
         return out
 
     def kernel_fits(self, query_dtype: torch.dtype, head_size: int, kv_cache: torch.Tensor
@@ -216,11 +219,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def kernel_rows(self, metadata: AttentionMetadata) -> KernelRows:
         """The step's `KernelRows`, planned on the first layer's call and reused."""
-        if self._planned is None or self._planned[0] is not metadata:
-            self._planned = (metadata, KernelRows.plan(metadata))
+        # Keyed by the step's lengths array, which every KV group's metadata shares (the
+        # plan reads no block table): one plan per step, whichever group asks first.
+        if self._planned is None or self._planned[0] is not metadata.seq_lens_np:
+            self._planned = (metadata.seq_lens_np, KernelRows.plan(metadata))
         return self._planned[1]
 
-    def _attend_with_kernel(self, query, kv_cache, metadata, scale, out) -> np.ndarray:
+    def _attend_with_kernel(self, query, kv_cache, metadata, scale, out,
+                            sliding_window: int) -> np.ndarray:
         """Decodes and short chunks in one kernel call, straight from the paged cache;
         returns the prefill requests left for SDPA.
 
@@ -234,24 +240,27 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[: metadata.num_actual_tokens]
             if q.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous():
                 self.kernel(out[: len(q)], q, kv_cache, metadata.block_table, rows.row_tables,
-                            rows.seq_lens, scale)
+                            rows.seq_lens, scale, sliding_window)
                 return rows.sdpa_reqs
         else:
             q = query[rows.token_idx]
         q = q.float().contiguous()
         result = torch.empty_like(q)
         self.kernel(result, q, kv_cache, metadata.block_table, rows.row_tables, rows.seq_lens,
-                    scale)
+                    scale, sliding_window)
         if rows.token_idx is None:
             out[: len(q)] = result
         else:
             out[rows.token_idx] = result.to(out.dtype)
         return rows.sdpa_reqs
 
-    def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out) -> None:
+    def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out,
+                sliding_window: int | None = None) -> None:
         """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D].
 
-        The query heads sharing a KV head act as that head's `group` query rows.
+        The query heads sharing a KV head act as that head's `group` query rows. A
+        sliding window masks keys before seq_len - W (the gather still reads those
+        blocks: whatever they hold now is finite, and masked).
         """
         token_idx = torch.from_numpy(metadata.query_start_loc_np[decode_reqs]).to(query.device)
         seq_lens_np = metadata.seq_lens_np[decode_reqs]
@@ -265,42 +274,61 @@ class TorchAttentionBackend(AttentionBackend):
         q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)
         seq_lens = torch.from_numpy(seq_lens_np).to(query.device)
         positions = torch.arange(max_len, device=query.device)
-        mask = (positions[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_len)
+        mask = positions[None, :] < seq_lens[:, None]
+        if sliding_window is not None:
+            mask &= positions[None, :] >= seq_lens[:, None] - sliding_window
+        mask = mask.view(batch, 1, 1, max_len)
         attn = F.scaled_dot_product_attention(
             q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
         )
         out[token_idx] = attn.reshape(batch, num_heads, head_size)
 
-    def _prefill(self, query, key, value, kv_cache, metadata, req: int, scale, out) -> None:
+    def _prefill(self, query, key, value, kv_cache, metadata, req: int, scale, out,
+                 sliding_window: int | None = None) -> None:
         start, end = metadata.query_start_loc_np[req], metadata.query_start_loc_np[req + 1]
         seq_len = int(metadata.seq_lens_np[req])
         q = query[start:end]
         if seq_len == end - start:  # nothing cached before: the new K/V are the context
             keys, values = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         else:
-            keys, values = gather_context(kv_cache, metadata.block_table[req : req + 1], seq_len,
-                                          self.scratch)
+            # With a window, read from the block of the first key any query sees:
+            # block_size 4, W 6, a 2-token chunk at positions 9, 10 -> keys 4..10,
+            # blocks 1 and 2, positions 4..10.
+            first_block = 0
+            if sliding_window is not None:
+                first_block = max(0, seq_len - (end - start) - sliding_window + 1) // \
+                    kv_cache.shape[3]
+            first_key = first_block * kv_cache.shape[3]
+            keys, values = gather_context(
+                kv_cache, metadata.block_table[req : req + 1, first_block:], seq_len - first_key,
+                self.scratch)  # the window mask needs only relative positions
             keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)
-        out[start:end] = _causal_attention(q, keys, values, scale)
+        out[start:end] = _causal_attention(q, keys, values, scale, sliding_window)
 
-    def _prefill_without_cache(self, query, key, value, metadata, scale, out) -> None:
+    def _prefill_without_cache(self, query, key, value, metadata, scale, out,
+                               sliding_window: int | None = None) -> None:
         qsl = metadata.query_start_loc_np
         for req in range(metadata.num_reqs):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _causal_attention(
                 query[start:end], key[start:end].transpose(0, 1),
-                value[start:end].transpose(0, 1), scale,
+                value[start:end].transpose(0, 1), scale, sliding_window,
             )
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """q [L, Hq, D] are the LAST L positions of a head-major context k, v [Hkv, S, D].
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      sliding_window: int | None = None):
+    """q [L, Hq, D] are the LAST L positions of a head-major context k, v [Hkv, S, D]
+    (a whole sequence, or its tail from some block on).
 
-    Query i sits at position S - L + i and sees keys 0 .. S - L + i:
+    Query i sits at position S - L + i (of the context) and sees keys 0 .. S - L + i:
 
         S=5, L=2:  keys   0 1 2 3 4
                    q0 ->  1 1 1 1 0
                    q1 ->  1 1 1 1 1
+
+    With a sliding window W it sees only the last W of those (absolute positions
+    p - W + 1 .. p; W=2: q0 -> keys 2 3, q1 -> keys 3 4).
 
     KV heads are expanded to the query heads and inputs made 4-D: that is what lets
     SDPA take its fused CPU kernel instead of the slower math path.
@@ -310,10 +338,13 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=0).unsqueeze(0)
-    if query_len == seq_len:
+    if query_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
         result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         result = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return result[0].transpose(0, 1)

@@ -1,0 +1,147 @@
+"""Sliding-window attention in every kernel, against the torch reference.
+
+Windows smaller than a block (and starting mid-block), equal to a block, and larger than
+a block (not a multiple of it), over a batch of a long prefill, a prompt chunk over a
+cached context, and decodes. The kernels get a block table whose entries before each
+request's window point at a poisoned block (NaN; a large finite value for the SDPA path,
+whose masked NaN would still poison): a kernel that reads a block a sliding-window KV
+group may already have freed fails the comparison. The reference reads the real table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import paged_attention_ref
+from tests.test_kernels import cpu_attention_kernel, make_batch, needs_kernels
+
+BLOCK_SIZE = 16
+# (cached context, new tokens): a prefill longer than every window, a chunk over a cached
+# context ending mid-block, decodes mid-block and at a block's first slot, a 1-token prompt.
+WINDOW_BATCH = [(0, 40), (50, 6), (70, 1), (31, 1), (0, 1)]
+WINDOWS = [pytest.param(5, id="W5<block"), pytest.param(16, id="W16=block"),
+           pytest.param(40, id="W40>block")]
+
+
+def poisoned_table(block_table: torch.Tensor, specs, window: int, poison_block: int = 0):
+    """`block_table` with each request's blocks before its earliest query's window set to
+    `poison_block`. Example, block size 16, W 5, 50 cached + 6 new: the first query (50)
+    sees keys 46..50, so block 2 (keys 32..47) is the first read; blocks 0, 1 poisoned."""
+    table = block_table.clone()
+    for r, (ctx, _) in enumerate(specs):
+        first_block = max(0, ctx - window + 1) // BLOCK_SIZE
+        table[r, :first_block] = poison_block
+    return table
+
+
+def filled_batch(num_heads=8, num_kv_heads=2, head_size=64):
+    batch = make_batch(WINDOW_BATCH, num_heads, num_kv_heads, head_size, BLOCK_SIZE)
+    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
+                                            batch.slot_mapping)
+    return batch
+
+
+def reference(batch, window: int, scale: float) -> torch.Tensor:
+    return paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
+                               batch.query_start_loc, batch.seq_lens, scale,
+                               sliding_window=window)[: batch.num_real]
+
+
+def test_reference_window_masks_exactly_the_last_w_keys():
+    """The reference against a dense computation written out by hand for one query."""
+    batch = filled_batch()
+    window, scale = 5, 64**-0.5
+    out = reference(batch, window, scale)
+    # Request 1's first query: position 50, keys 46..50.
+    row, pos = 40, 50
+    k, v = batch.dense_k[1][pos - window + 1 : pos + 1], batch.dense_v[1][pos - window + 1 : pos + 1]
+    for h in range(8):
+        probs = torch.softmax(k[:, h // 4] @ batch.query[row, h] * scale, dim=0)
+        torch.testing.assert_close(out[row, h], probs @ v[:, h // 4])
+    # A window at least as long as every sequence is plain causal attention.
+    full = paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
+                               batch.query_start_loc, batch.seq_lens, scale)[: batch.num_real]
+    torch.testing.assert_close(reference(batch, 1000, scale), full)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_cpu_kernel_sliding_window(window):
+    kernel = cpu_attention_kernel()
+    batch = filled_batch()
+    scale = 64**-0.5
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()  # NaN-poisoned block 0
+    table = poisoned_table(batch.block_table, WINDOW_BATCH, window)
+    # One kernel row per query token: its request's table row, its position + 1 keys.
+    rows, lens = [], []
+    starts = batch.query_start_loc.tolist()
+    for r, seq_len in enumerate(batch.seq_lens.tolist()):
+        q_len = starts[r + 1] - starts[r]
+        rows += [r] * q_len
+        lens += list(range(seq_len - q_len + 1, seq_len + 1))
+    q = batch.query[: batch.num_real].contiguous()
+    out = torch.empty_like(q)
+    kernel(out, q, head_major, table, torch.tensor(rows, dtype=torch.int32),
+           torch.tensor(lens, dtype=torch.int32), scale, window)
+    torch.testing.assert_close(out, reference(batch, window, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp", "sdpa"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_torch_backend_sliding_window(window, use_cpu_kernel):
+    from engine.attention.backends.torch_backend import TorchAttentionBackend
+    from engine.attention.metadata import AttentionMetadata
+
+    if use_cpu_kernel:
+        cpu_attention_kernel()
+    batch = make_batch(WINDOW_BATCH, 8, 2, 64, BLOCK_SIZE)
+    # Finite poison: the SDPA decode path gathers whole contexts and masks them.
+    batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
+    scale = 64**-0.5
+    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
+    table = poisoned_table(batch.block_table, WINDOW_BATCH, window)
+    metadata = AttentionMetadata(
+        num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
+        max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_table=table, slot_mapping=batch.slot_mapping,
+        query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
+    out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale,
+                          sliding_window=window)
+    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
+                                            batch.slot_mapping)
+    torch.testing.assert_close(out[: batch.num_real], reference(batch, window, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backend_window_without_cache():
+    """The profiling pass (no cache yet): windowed causal attention over the new tokens."""
+    from engine.attention.backends.torch_backend import TorchAttentionBackend
+    from tests.model_fixtures import prefill_metadata
+
+    batch = filled_batch()
+    specs = [(0, 40), (0, 1)]
+    q = batch.query[:41]
+    k = torch.cat([batch.dense_k[0], batch.dense_k[4]])
+    v = torch.cat([batch.dense_v[0], batch.dense_v[4]])
+    out = TorchAttentionBackend().forward(q, k, v, None, prefill_metadata([40, 1]), 0.125,
+                                          sliding_window=5)
+    qsl = torch.tensor([0, 40, 41], dtype=torch.int32)
+    expected = paged_attention_ref(q, batch.kv_cache, batch.block_table[[0, 4]], qsl,
+                                   torch.tensor([c + n for c, n in specs], dtype=torch.int32),
+                                   0.125, sliding_window=5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", WINDOWS)
+def test_triton_kernel_sliding_window(window):
+    batch = filled_batch()
+    scale = 64**-0.5
+    table = poisoned_table(batch.block_table, WINDOW_BATCH, window)
+    out = kernels.paged_attention(batch.query, batch.kv_cache, table, batch.query_start_loc,
+                                  batch.seq_lens, scale, max_query_len=batch.max_query_len,
+                                  sliding_window=window)
+    torch.testing.assert_close(out[: batch.num_real], reference(batch, window, scale),
+                               rtol=1e-4, atol=1e-4)
