@@ -236,6 +236,8 @@ class ModelRunner:
             if state is None:
                 continue
             del state.block_ids[num_blocks:]
+            for ids in state.extra_group_block_ids:  # every group's list has one length
+                del ids[num_blocks:]
             row = batch.req_id_to_row.get(req_id)
             if row is not None:
                 batch.num_blocks[row] = num_blocks
