@@ -267,3 +267,41 @@ def test_tensor_parallel_ranks_agree_on_verified_drafts(model_dir, prompts, plai
     assert [o.outputs[0].token_ids for o in got] == [
         reference[tuple(p)].token_ids[:32] for p in some]
     assert counts.accepted > 0
+
+
+def test_drafts_over_sliding_window_groups_equal_plain(tmp_path, prompts):
+    """Gemma 3 (5 local layers with a 20-token window : 1 global, several KV-cache groups):
+    a rollback trims every group's blocks, and the tokens stay the plain run's."""
+    model = build_tiny_checkpoint(tmp_path / "gemma3", "gemma3", max_position_embeddings=512)
+    chosen = prompts[:4]
+    # Six groups of one layer (five windows): each window group holds at most
+    # cdiv(19 + 64, 16) + 1 = 7 blocks per request, so 24 blocks would not do.
+    settings = {**HARD, "num_gpu_blocks_override": 120}
+    plain_llm = LLM(model, **settings)
+    plain_outputs = plain_llm.generate(
+        chosen, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    reference = {tuple(p): o.outputs[0] for p, o in zip(chosen, plain_outputs, strict=True)}
+    llm = LLM(model, speculative_config=SPEC, **settings)
+    assert llm.engine_core.scheduler.kv_cache_manager.num_groups > 1
+    use_oracle(llm, reference)
+    counts = SpecCounts(llm)
+    manager, scheduler = llm.engine_core.scheduler.kv_cache_manager, llm.engine_core.scheduler
+    schedule, lengths_checked = scheduler.schedule, []
+
+    def schedule_checking_groups():
+        # Every group's block list of a request is as long as group 0's (the contract the
+        # runner's tables rely on), after rollbacks too.
+        for req_id in manager.req_to_blocks:
+            lengths = {len(group.req_to_blocks[req_id]) for group in manager.groups}
+            assert len(lengths) == 1, (req_id, lengths)
+            lengths_checked.append(req_id)
+        return schedule()
+
+    scheduler.schedule = schedule_checking_groups
+    outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
+    for prompt, output in zip(chosen, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference[tuple(prompt)].token_ids[:32]
+    assert lengths_checked
+    assert 0 < counts.accepted < counts.draft_tokens
+    assert counts.rollbacks_freeing_blocks > 0
+    assert_all_blocks_free(llm)
