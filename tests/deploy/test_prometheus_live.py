@@ -76,7 +76,10 @@ def binaries() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(binaries, tmp_path_factory):
-    with serving(tiny_metrics_server(tmp_path_factory)) as proc:
+    # n-gram speculation on, so the speculative-decoding panels have data (a repeating
+    # prompt below makes the proposer draft).
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}'
+    with serving(tiny_metrics_server(tmp_path_factory, "--speculative-config", spec)) as proc:
         yield proc
 
 
@@ -202,6 +205,10 @@ async def drive_traffic(url: str, prometheus_url: str, started: float,
         async for _ in stream:
             pass
         seen["stop"] += 1
+        # A prompt that repeats itself: the n-gram proposer drafts (the spec-decode panels).
+        await client.completions.create(model=MODEL, prompt=tokens(340, 4) * 4, max_tokens=6,
+                                        extra_body=ignore_eos)
+        seen["length"] += 1
         # A constrained request (its grammar is compiled: the compile-time panels).
         constrained = await client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=8, temperature=0,

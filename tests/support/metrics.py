@@ -59,13 +59,13 @@ def p(name: str) -> str:
     return "pagedserve:" + name
 
 
-def tiny_metrics_server(tmp_path_factory) -> ServerProcess:
+def tiny_metrics_server(tmp_path_factory, *extra_args: str) -> ServerProcess:
     """The tiny Llama served with a small KV cache (also used by test_prometheus_live)."""
     checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
     return ServerProcess(
         ["--model", str(checkpoint), "--port", "0", "--served-model-name", MODEL,
          "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"],
+         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", *extra_args],
         env={"PAGEDSERVE_LOG_LEVEL": "info"})
 
 
