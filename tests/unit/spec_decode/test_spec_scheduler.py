@@ -176,3 +176,16 @@ def test_xray_shows_each_requests_acceptance():
     rows = {r.req_id: r for r in snapshot.running}
     assert (rows["a"].num_draft_tokens, rows["a"].num_accepted_tokens) == (4, 4)
     assert (rows["b"].num_draft_tokens, rows["b"].num_accepted_tokens) == (4, 0)
+
+
+def test_without_a_speculative_config_nothing_speculates():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                          max_model_len=256),
+                          CacheConfig(block_size=BLOCK_SIZE), 100)
+    assert scheduler.speculator is None
+    add(scheduler, "a", CYCLE * 2)
+    for _ in range(3):
+        out, engine_out = step(scheduler)
+        assert out.scheduled_spec_decode_tokens == {} and out.num_blocks_after_rollback == {}
+        assert engine_out.scheduler_stats.spec_num_drafts == 0
+    assert scheduler.requests["a"].num_output_tokens == 3
