@@ -3,7 +3,8 @@
 A tiny random Gemma-3-shaped model (5 local : 1 global layers, `--window` tokens) and the
 same model with every layer global both serve `--num-clients` requests of `--context-len`
 prompt tokens (+ `--output-len` generated), all submitted at once, on the real engine
-(CPU, chunked prefill). After every step the KV manager's blocks held by live requests are
+(CPU, chunked prefill; the default 160 output tokens outlast the burst's prefill, so all
+32 contexts are resident at once while they decode). After every step the KV manager's blocks held by live requests are
 counted; the table reports the peak. Counts only, no timing: the model is tiny so the run
 is fast, and the counts depend only on the lengths, the window and the block size.
 
@@ -66,13 +67,13 @@ def tiny_gemma3(out_dir: Path, num_layers: int, window: int | None, max_len: int
     return out_dir
 
 
-def measure(model_dir: Path, name: str, args) -> Result:
+def measure(model_dir: Path, name: str, num_groups: int, args) -> Result:
     from engine import LLM, SamplingParams
 
     max_len = args.context_len + args.output_len + 1
     per_request = -(-max_len // args.block_size)
-    # Room for every request at once under full attention, in block ids of this model.
-    num_blocks = args.num_clients * per_request * 6 + 64
+    # Room for every request whole in every group at once: nothing is ever preempted.
+    num_blocks = args.num_clients * per_request * num_groups + 64
     llm = LLM(str(model_dir), dtype="float32", max_model_len=max_len,
               block_size=args.block_size, max_num_seqs=args.num_clients,
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-clients", type=int, default=32)
     parser.add_argument("--context-len", type=int, default=8192)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=160)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--block-size", type=int, default=16)
@@ -137,7 +138,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
                              ("full attention", None)):
             model_dir = tiny_gemma3(Path(tmp) / name.split()[0], args.num_layers, window,
                                     max_len)
-            results.append(measure(model_dir, name, args))
+            num_global = sum(1 for i in range(args.num_layers) if (i + 1) % 6 == 0)
+            num_groups = 1 if window is None else 1 + -(-(args.num_layers - num_global)
+                                                        // num_global)
+            results.append(measure(model_dir, name, num_groups, args))
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
