@@ -205,8 +205,10 @@ async def drive_traffic(url: str, prometheus_url: str, started: float,
         async for _ in stream:
             pass
         seen["stop"] += 1
-        # A prompt that repeats itself: the n-gram proposer drafts (the spec-decode panels).
-        await client.completions.create(model=MODEL, prompt=tokens(340, 4) * 4, max_tokens=6,
+        # A prompt that repeats itself, and an output that goes on repeating it (the bias):
+        # the n-gram proposer drafts, the model accepts (the spec-decode panels).
+        await client.completions.create(model=MODEL, prompt=[340] * 12, max_tokens=8,
+                                        temperature=0, logit_bias={"340": 100},
                                         extra_body=ignore_eos)
         seen["length"] += 1
         # A constrained request (its grammar is compiled: the compile-time panels).
