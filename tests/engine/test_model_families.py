@@ -13,8 +13,8 @@ from tests.support.correctness import assert_all_three_match, hf_reference, make
 
 # Windows that are not a multiple of the block size (16), so they start mid-block.
 CASES = {
+    # (Mistral without a window is the Llama decoder: test_models.py's prefill parity.)
     "mistral-window": ("mistral", dict(sliding_window=20)),
-    "mistral-full": ("mistral", {}),
     # Phi-3 with LongRoPE: the short factors apply (the context does not outgrow the
     # original length), cos/sin scaled by the attention factor of `factor` 4; a partial
     # rotary dimension (Phi-4-mini's 0.75) and a window on every layer (Phi-3-mini-4k).
