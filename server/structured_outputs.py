@@ -75,11 +75,15 @@ def requested_params(body: SamplingFields) -> tuple[str, StructuredOutputsParams
 async def check_params(param: str, params: StructuredOutputsParams, engine: AsyncEngine) -> None:
     """A 400 naming `param` when the spec is invalid, unsupported, or too slow to check.
 
-    The cheap checks run here; the grammar library's own (by compiling the spec, which
-    the request then reuses) in the engine core."""
+    The cheap checks run on a worker thread here; the grammar library's own (by
+    compiling the spec, which the request then reuses) in the engine core; both within
+    CHECK_TIMEOUT_S."""
+    async def check() -> str | None:
+        await asyncio.to_thread(check_spec, params)  # jsonschema: off the event loop
+        return await engine.check_grammar(params)
+
     try:
-        check_spec(params)
-        error = await asyncio.wait_for(engine.check_grammar(params), CHECK_TIMEOUT_S)
+        error = await asyncio.wait_for(check(), CHECK_TIMEOUT_S)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), param, "invalid_value") from None
     except asyncio.TimeoutError:
