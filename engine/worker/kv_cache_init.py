@@ -161,6 +161,5 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     `torch.zeros` would write every page.
     """
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(1, numel * itemsize))
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
