@@ -253,6 +253,11 @@ def _document_caps(components: dict, state: ServerState) -> None:
         if items.get("type") == "array":
             items["minItems"] = 1
             items.get("items", {}).update(token_id)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        stop_ids = components.get(name, {}).get("properties", {}).get("stop_token_ids", {})
+        for branch in stop_ids.get("anyOf", []):
+            if branch.get("type") == "array":
+                branch.get("items", {}).update(token_id)
     tokens = components.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
     tokens.get("items", {}).update(token_id)
 

@@ -48,6 +48,13 @@ def check_prompt(
             raise PromptError(
                 f"Token id {token_id} is out of vocabulary (valid ids are 0..{vocab_size - 1})."
             )
+    for token_id in params.stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise PromptError(
+                f"stop_token_ids names token id {token_id}, which is out of vocabulary "
+                f"(valid ids are 0..{vocab_size - 1}).",
+                param="stop_token_ids",
+            )
     if params.logit_bias:
         for token_id in params.logit_bias:
             if not 0 <= int(token_id) < vocab_size:

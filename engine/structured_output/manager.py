@@ -155,7 +155,10 @@ class StructuredOutputManager:
         if result.error is not None:
             grammar.error = result.error
         else:
-            grammar.matcher = self.backend.matcher(result.compiled, grammar.stop_token_ids)
+            try:
+                grammar.matcher = self.backend.matcher(result.compiled, grammar.stop_token_ids)
+            except Exception as exc:  # noqa: BLE001 - e.g. a stop id the grammar rejects
+                grammar.error = f"cannot build the grammar matcher: {library_message(exc)}"
         return True
 
     def take_compile_seconds(self) -> list[float]:

@@ -119,6 +119,20 @@ def test_failed_compile_and_abort_while_compiling(scheduler, tokenizer):
     assert not scheduler.has_unfinished_requests() and not scheduler.requests
 
 
+def test_a_stop_id_the_matcher_refuses_fails_only_its_request(scheduler, tokenizer):
+    # The frontend refuses such ids with a 400; the core must not die if one slips by.
+    add(scheduler, "bad", tokenizer, "json", "{}", stop_token_ids=[-6650])
+    end = time.monotonic() + 30
+    failures = []
+    while not failures and time.monotonic() < end:
+        scheduler.schedule()
+        failures = scheduler.take_grammar_failures()
+        time.sleep(0.01)
+    [failure] = failures
+    assert failure.req_id == "bad" and "grammar matcher" in failure.error
+    assert not scheduler.has_unfinished_requests() and not scheduler.requests
+
+
 def test_preempted_request_keeps_its_matcher(scheduler, tokenizer):
     """Preemption by recompute keeps the output tokens, so the matcher is still right:
     after four letters and a preemption, the recomputed request may only write digits."""
