@@ -127,9 +127,10 @@ def test_bad_inputs_raise_before_any_work():
 @pytest.mark.parametrize("spec", [QuantSpec("int4"), QuantSpec("int4", symmetric=True),
                                   QuantSpec("int8")], ids=["int4", "int4-sym", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quant_tiled_linear_matches_dequantized_weight(spec, dtype):
+@pytest.mark.parametrize("out_features", [130, 144])  # int4: row-major / blocks of 16
+def test_quant_tiled_linear_matches_dequantized_weight(spec, dtype, out_features):
     ops = kernels.cpu_kernels.cpu_kernels()
-    weight = torch.randn(130, 2048, generator=torch.Generator().manual_seed(2)) * 0.05
+    weight = torch.randn(out_features, 2048, generator=torch.Generator().manual_seed(2)) * 0.05
     q = quantize(weight, spec, max_rows=0)
     x = torch.randn(17, 2048, generator=torch.Generator().manual_seed(4)).to(dtype)
     mins = q.mins if q.mins is not None else torch.empty(0)

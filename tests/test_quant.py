@@ -18,8 +18,10 @@ from engine.models.layers import Linear, MergedLinear
 from engine.models.quant import (
     KERNEL_CALLS,
     QuantSpec,
+    block_int4,
     pack_int4,
     quantize,
+    unblock_int4,
     unpack_int4,
 )
 from engine.models.weight_utils import map_weight_name
@@ -79,8 +81,11 @@ def test_kernel_matches_torch_reference(spec, num_rows, out_features, in_feature
     x = torch.randn(num_rows, in_features)
     bias = torch.randn(out_features)
     # The kernel's own arithmetic (activations rounded to int16 per group of 32) ...
-    q = unpack_int4(qw.data) if spec.method == "int4" else qw.data
-    exact = quant_linear_ref(x, q, qw.scales, qw.mins) + bias
+    data, scales, mins = qw.canonical()
+    # int4 weights with a multiple of 16 outputs are held in blocks of 16 (int4_blocked.cpp)
+    assert qw.blocked == (spec.method == "int4" and out_features % 16 == 0)
+    q = unpack_int4(data) if spec.method == "int4" else data
+    exact = quant_linear_ref(x, q, scales, mins) + bias
     torch.testing.assert_close(qw.matmul(x, bias), exact, atol=1e-5, rtol=1e-5)
     # ... which differs from the float product with the dequantized weight by at most
     # the activation rounding: half a step dx / 2 per element, times |w|.
@@ -107,6 +112,38 @@ def test_kernel_rejects_bad_inputs():
         module.int4_linear(torch.randn(2, 64).double(), qw.data, qw.scales, qw.mins)
     with pytest.raises(RuntimeError, match="mins"):
         module.int4_linear(torch.randn(2, 64), qw.data, qw.scales, qw.mins[:, :1].contiguous())
+    data, scales, mins = qw.canonical()  # the row-major layout's own checks
+    with pytest.raises(RuntimeError, match="mins"):
+        module.int4_linear(torch.randn(2, 64), data, scales, mins[:, :1].contiguous())
+
+
+def test_blocked_int4_layout_worked_example_and_round_trip():
+    # Every row's group 0 starts q = (1, 2, 3, 4): block 0 begins 0x31 0x42 (row 0), ...
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    q[:, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    scales = torch.rand(32, 2).half()
+    mins = -torch.rand(32, 2).half()
+    blocked, bscales, bmins = block_int4(pack_int4(q), scales, mins)
+    assert blocked.shape == (2, 2, 256) and bscales.shape == (2, 2, 16)
+    assert blocked[0, 0, :4].tolist() == [0x31, 0x42, 0x31, 0x42]
+    assert torch.equal(bscales[1, 0], scales[16:32, 0])  # lane j = row 16 b + j
+    data, s2, m2 = unblock_int4(blocked, bscales, bmins)
+    assert torch.equal(unpack_int4(data), q) and torch.equal(s2, scales) and torch.equal(m2, mins)
+    ids = torch.tensor([31, 0, 17])
+    data, s2, _ = unblock_int4(blocked, bscales, bmins, ids)
+    assert torch.equal(unpack_int4(data), q[ids]) and torch.equal(s2, scales[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_blocked_int4_rows_do_not_depend_on_their_batch(symmetric):
+    torch.manual_seed(3)
+    qw = quantize(torch.randn(48, 256) * 0.1, QuantSpec("int4", symmetric), max_rows=1 << 20)
+    assert qw.blocked
+    x = torch.randn(13, 256)  # blocks of 8, 4 and 1 rows
+    together = qw.matmul(x, None)
+    for m in (0, 7, 8, 12):
+        assert torch.equal(qw.matmul(x[m:m + 1], None)[0], together[m])
 
 
 def test_quantized_linear_drops_its_dense_weight_and_serves_every_batch():

@@ -163,6 +163,6 @@ def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """QuantizedWeights of one spec stacked along the output dim, as one weight."""
     if len(parts) == 1:
         return parts[0]
-    mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-    return QuantizedWeight(parts[0].spec, torch.cat([p.data for p in parts]),
-                           torch.cat([p.scales for p in parts]), mins, parts[0].max_rows)
+    data, scales, mins = zip(*(p.canonical() for p in parts), strict=True)
+    return QuantizedWeight(parts[0].spec, torch.cat(data), torch.cat(scales),
+                           None if mins[0] is None else torch.cat(mins), parts[0].max_rows)

@@ -36,6 +36,7 @@ from engine import batch_invariant, cpu_info
 
 QuantMethod = Literal["int8", "int4"]
 GROUP_SIZE = 32
+BLOCK_ROWS = 16  # output rows per block of the blocked int4 layout
 
 # Calls of each quantized kernel since start-up: tests check the kernel really ran.
 # "int4"/"int8": the few-row kernels; "tiled": a many-row call decoding tiles.
@@ -56,6 +57,10 @@ def default_max_rows(kind: str = "int4") -> int:
     override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
     if override:
         return int(override)
+    if kind == "int4" and cpu_info.vector_isa() == "avx512":
+        # Blocked int4 (kernels/cpu/int4_blocked.cpp), bfloat16 tiles, ms per layer
+        # few-row / tiled: 8 rows 6.0 / 47, 32: 25.9 / 51.8, 64: 37.2 / 59.6.
+        return 64
     if not cpu_info.native_bf16_reason():
         # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
         # 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a float32 matmul's 242.5 at 32.)
@@ -86,13 +91,27 @@ class QuantizedWeight:
     def __init__(self, spec: QuantSpec, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, max_rows: int):
         self.spec = spec
-        self.data = data  # int4: uint8 [N, K / 2] (two per byte); int8: int8 [N, K]
-        self.scales = scales  # float16 [N, K / 32]
-        self.mins = mins  # int4: float16 [N, K / 32]; int8: None
-        self.max_rows = max_rows
         self.out_features = scales.shape[0]
         self.in_features = scales.shape[1] * GROUP_SIZE
+        if spec.method == "int4" and self.out_features % BLOCK_ROWS == 0:
+            data, scales, mins = block_int4(data, scales, mins)
+        # int4: uint8 [N, K / 2] (two per byte), or blocked [N / 16, K / 32, 256] (see
+        # block_int4) when N is a multiple of 16; int8: int8 [N, K].
+        self.data = data
+        self.scales = scales  # float16 [N, K / 32]; blocked int4: [N / 16, K / 32, 16]
+        self.mins = mins  # int4: float16 shaped like scales; int8: None
+        self.max_rows = max_rows
         self._kernel = _kernels()
+
+    @property
+    def blocked(self) -> bool:
+        return self.data.dim() == 3
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(data, scales, mins) in the row-major layout ([N, K / 2] int4, [N, K / 32])."""
+        if self.blocked:
+            return unblock_int4(self.data, self.scales, self.mins)
+        return self.data, self.scales, self.mins
 
     @property
     def num_bytes(self) -> int:
@@ -136,11 +155,13 @@ class QuantizedWeight:
 
     def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (all rows for None) of the float32 weight: an embedding lookup."""
-        data, scales = self.data, self.scales
-        mins = self.mins
-        if ids is not None:
-            data, scales = data[ids], scales[ids]
-            mins = None if mins is None else mins[ids]
+        if self.blocked:
+            data, scales, mins = unblock_int4(self.data, self.scales, self.mins, ids)
+        else:
+            data, scales, mins = self.data, self.scales, self.mins
+            if ids is not None:
+                data, scales = data[ids], scales[ids]
+                mins = None if mins is None else mins[ids]
         n, k = data.shape[0], self.in_features
         if self.spec.method == "int8":
             q = data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
@@ -227,3 +248,40 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     groups = packed.view(n, half // (GROUP_SIZE // 2), 1, GROUP_SIZE // 2)
     return torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(n, half * 2)
+
+
+def block_int4(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row-major int4 ([N, K / 2], scales/mins [N, K / 32]) -> blocks of 16 output rows.
+
+    The layout of kernels/cpu/int4_blocked.cpp (its header has the why): for block b,
+    group g and quad t, 32 bytes where byte 2j holds q[16b + j, 32g + 4t] (low nibble)
+    and q[.., 4t + 2] (high), byte 2j + 1 holds q[.., 4t + 1] and q[.., 4t + 3]; scales
+    and mins [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's
+    group 0 starts q = (1, 2, 3, 4, ...), block 0 begins 0x31 0x42 0x31 0x42 ...
+    """
+    n, k = data.shape[0], data.shape[1] * 2
+    groups = k // GROUP_SIZE
+    q = unpack_int4(data).view(n // BLOCK_ROWS, BLOCK_ROWS, groups, 8, 4)
+    q = q.permute(0, 2, 3, 1, 4)  # [block, group, quad, lane, 4 values]
+    pairs = q[..., 0:2] | (q[..., 2:4] << 4)  # byte 2j: values 0 | 2, byte 2j + 1: 1 | 3
+    blocked = pairs.reshape(n // BLOCK_ROWS, groups, 256).contiguous()
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // BLOCK_ROWS, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
+
+    return blocked, lanes(scales), lanes(mins)
+
+
+def unblock_int4(blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `block_int4`, for output rows `ids` (all for None)."""
+    blocks, groups = blocked.shape[0], blocked.shape[1]
+    if ids is None:
+        ids = torch.arange(blocks * BLOCK_ROWS)
+    block, lane = ids // BLOCK_ROWS, ids % BLOCK_ROWS
+    pairs = blocked.view(blocks, groups, 8, BLOCK_ROWS, 2)[block, :, :, lane]  # [R, G, 8, 2]
+    q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # values (0, 1, 2, 3) of each quad
+    q = q.reshape(ids.numel(), groups * GROUP_SIZE)
+    return pack_int4(q), scales[block, :, lane].contiguous(), mins[block, :, lane].contiguous()

@@ -466,7 +466,10 @@ void floats_to_bf16(const float* x, c10::BFloat16* y, int64_t n) {
 }
 
 // The many-row path: tiles of decoded weight rows in x's dtype, one at::mm each.
-at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_row) {
+// decode(n, dst) writes rows n .. n + unit - 1 (float32 [unit, K]) to dst; num_out is a
+// multiple of unit (1 for the row decoders, 16 for blocked int4).
+at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode,
+                 int64_t unit = 1) {
   const int64_t rows = x.size(0), cols = x.size(1);
   // Tiles of ~16 MiB: few enough that the per-call costs of at::mm and of waking the
   // threads (a scheduler slice each when another process holds a core) stay small, small
@@ -475,23 +478,24 @@ at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode_
     const char* env = std::getenv("PAGEDSERVE_TILE_KIB");
     return (env ? std::atoll(env) : 16384) * 1024;
   }();
-  const int64_t tile_rows =
-      std::min(num_out, std::max<int64_t>(16, tile_bytes / (cols * x.element_size())));
+  const int64_t tile_rows = std::min(
+      num_out, std::max<int64_t>(16, tile_bytes / (cols * x.element_size())) / unit * unit);
   at::Tensor out = at::empty({rows, num_out}, x.options());
   at::Tensor tile = at::empty({tile_rows, cols}, x.options());
   const auto dtype = x.scalar_type();
   for (int64_t n0 = 0; n0 < num_out; n0 += tile_rows) {
     const int64_t count = std::min(tile_rows, num_out - n0);
-    at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffer(cols);
-      for (int64_t r = begin; r < end; ++r) {
+    at::parallel_for(0, count / unit, std::max<int64_t>(1, 8 / unit), [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(unit * cols);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t r = u * unit;
         float* dst = dtype == at::kFloat ? tile.data_ptr<float>() + r * cols : buffer.data();
-        decode_row(n0 + r, dst);
+        decode(n0 + r, dst);
         if (dtype == at::kBFloat16) {
-          floats_to_bf16(buffer.data(), tile.data_ptr<c10::BFloat16>() + r * cols, cols);
+          floats_to_bf16(buffer.data(), tile.data_ptr<c10::BFloat16>() + r * cols, unit * cols);
         } else if (dtype == at::kHalf) {
           c10::Half* t = tile.data_ptr<c10::Half>() + r * cols;
-          for (int64_t k = 0; k < cols; ++k) t[k] = c10::Half(buffer[k]);
+          for (int64_t k = 0; k < unit * cols; ++k) t[k] = c10::Half(buffer[k]);
         }
       }
     });
@@ -555,6 +559,13 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_r
 at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
                               int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  if (bits == 4 && is_blocked_int4(data)) {  // int4_blocked.cpp's layout
+    TORCH_CHECK(mins.defined() && mins.sizes() == scales.sizes(), "int4 needs mins");
+    check_x(x, data.size(1) * 32);
+    return tiled(x, data.size(0) * 16, [&](int64_t n, float* dst) {
+      decode_blocked_int4(data, scales, mins, n / 16, dst);
+    }, 16);
+  }
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && scales.is_contiguous() &&
                   scales.scalar_type() == at::kHalf && scales.dim() == 2 &&
                   scales.size(0) == data.size(0),
