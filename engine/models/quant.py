@@ -4,8 +4,9 @@ A `Linear` may hold its weight as a `QuantizedWeight` instead of a dense tensor:
 weight in 4 or 8 bits with float16 scales (and mins) per group of 32 (the layout and
 precision of GGUF's Q4_0 / Q4_1 / Q8_0, which therefore run exactly: 0.625 bytes per
 int4 weight). There is no dense copy beside it. Batches of at most `max_rows` rows (decode
-steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp`, which read 5-6x fewer
-bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
+steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp` (int4 weights with a
+multiple of 16 outputs: `kernels/cpu/int4_blocked.cpp`, held in blocks of 16 output rows,
+see `block_int4`), which read 5-6x fewer bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
 larger batches (prefill chunks, wide decode batches) decode a tile of weight rows at a
 time into the activations' dtype and multiply it with one matmul
 (`kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
