@@ -104,6 +104,18 @@ def tiny_config(arch: str = "llama", **overrides: Any):
     return getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
 
 
+# A Phi-4-mini-shaped tiny Phi-3 (tests/data/gguf/tiny-phi4-longrope-F32.gguf, and the
+# checkpoint its test rebuilds): LongRoPE past a 16-token original context (so every prompt
+# of 17+ tokens takes the long factors, in transformers as here), rotary on 0.75 of each
+# head (Phi-4-mini's), tied embeddings, and a 24-token window on every layer (Phi-3-mini-4k).
+TINY_PHI4_LONGROPE = dict(
+    hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=True,
+    partial_rotary_factor=0.75, max_position_embeddings=512,
+    original_max_position_embeddings=16, sliding_window=24,
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                  "long_factor": [2.0 + 0.5 * i for i in range(12)]})
+
+
 def build_hf_model(config, seed: int = 0):
     """The HF reference model for `config`, seeded random weights (float32, eval)."""
     from transformers import AutoModelForCausalLM

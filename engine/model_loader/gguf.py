@@ -13,8 +13,11 @@ either exists complete or not at all; a second start finds it and converts nothi
 The config comes from the GGUF metadata and the tokenizer (with its chat template)
 from transformers' GGUF tokenizer support.
 
-Architectures: llama, qwen2, qwen3, qwen3moe, gemma3 (text; llama.cpp stores its norm
-weights as 1 + w: `norm_offset` tells the loader to take the 1 back off).
+Architectures: llama (Llama, Mistral: a `llama.attention.sliding_window` makes it a
+Mistral with that window), qwen2, qwen3, qwen3moe, gemma3 (text; llama.cpp stores its norm
+weights as 1 + w: `norm_offset` tells the loader to take the 1 back off), phi3 (Phi-3,
+Phi-3.5, Phi-4-mini: fused `attn_qkv` / `ffn_up` (gate and up) tensors, LongRoPE factors as
+the `rope_factors_long` / `rope_factors_short` tensors).
 """
 
 from __future__ import annotations
@@ -56,13 +59,19 @@ _ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 # Per-architecture names that differ from _LAYER_NAMES.
 _ARCH_LAYER_NAMES = {
     "gemma3": {"post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3's fused tensors keep their HF names; ffn_up holds gate rows then up rows.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
+# Tensors that are settings, not weights: read into the config (or ignored), never loaded.
+_SETTING_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight",
+                    "rope_factors_short.weight")
 # llama.cpp's Gemma 3 sliding-window pattern: every 6th layer global (hard-coded there).
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -216,6 +225,9 @@ def _expected_shapes(gguf: GGUFFile):
         "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
         "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
+        # Phi-3's fused tensors: q, k, v rows stacked; gate rows, then up rows
+        "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "mlp.gate_up_proj.weight": (2 * inter, hidden),
     }
     vocab = gguf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gguf.tensors else None
     top = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
@@ -288,8 +300,16 @@ def config_from_gguf(gguf: GGUFFile):
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+        # A window makes it a Mistral. llama.cpp's converter writes Mistral as `llama` and
+        # leaves the window out (its runtime has none for llama), so only files whose
+        # writer added the key get one; the others run with full attention, as there.
+        if meta("attention.sliding_window"):
+            model_type, kwargs["architectures"] = "mistral", ["MistralForCausalLM"]
+            kwargs["sliding_window"] = meta("attention.sliding_window")
     if arch == "gemma3":
         kwargs.update(_gemma3_config(gguf, kwargs))
+    if arch == "phi3":
+        kwargs.update(_phi3_config(gguf, kwargs))
     if arch == "qwen3moe":
         kwargs.update(
             num_experts=meta("expert_count"),
@@ -298,7 +318,7 @@ def config_from_gguf(gguf: GGUFFile):
             norm_topk_prob=True,  # llama.cpp always renormalises the top-k weights
         )
     scaling_type = meta("rope.scaling.type")
-    if scaling_type and scaling_type != "none" and arch != "gemma3":
+    if scaling_type and scaling_type != "none" and arch not in ("gemma3", "phi3"):
         kwargs["rope_scaling"] = {
             "rope_type": scaling_type,
             "factor": meta("rope.scaling.factor"),
@@ -336,6 +356,37 @@ def _gemma3_config(gguf: GGUFFile, kwargs: dict) -> dict:
         hidden_activation="gelu_pytorch_tanh")
 
 
+def _phi3_config(gguf: GGUFFile, kwargs: dict) -> dict:
+    """Phi-3's settings as llama.cpp's converter writes them: the rotary dimension
+    (`rope.dimension_count`: Phi-4-mini rotates 96 of 128), the sliding window (0: none),
+    and LongRoPE, whose factors are the `rope_factors_long` / `rope_factors_short` tensors
+    and whose cos/sin scale is `rope.scaling.attn_factor` (no `rope.scaling.type` key).
+
+    llama.cpp itself runs every Phi-3 with full attention (its SWA is switched off for
+    Phi); here the window applies, as transformers and our safetensors path apply it.
+    """
+    def meta(key: str, default=None):
+        return gguf.get(f"phi3.{key}", default)
+
+    head_dim = kwargs["head_dim"]
+    theta = kwargs.pop("rope_theta")
+    rotary_dim = meta("rope.dimension_count", head_dim)
+    original = meta("rope.scaling.original_context_length", kwargs["max_position_embeddings"])
+    rope: dict = {"rope_type": "default", "rope_theta": theta,
+                  "partial_rotary_factor": rotary_dim / head_dim}
+    if "rope_factors_long.weight" in gguf.tensors:
+        rope.update(
+            rope_type="longrope", original_max_position_embeddings=original,
+            long_factor=[float(f) for f in gguf.load("rope_factors_long.weight")],
+            short_factor=[float(f) for f in gguf.load("rope_factors_short.weight")])
+        attention_factor = meta("rope.scaling.attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = float(attention_factor)
+    return dict(rope_parameters=rope, partial_rotary_factor=rotary_dim / head_dim,
+                original_max_position_embeddings=original,
+                sliding_window=meta("attention.sliding_window") or None)
+
+
 def norm_offset(gguf: GGUFFile, gguf_name: str) -> float:
     """What llama.cpp added to this tensor (Gemma's norms hold 1 + w), to take back off."""
     if gguf.get("general.architecture") == "gemma3" and gguf_name.endswith("norm.weight"):
@@ -353,7 +404,7 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     layer_names = {**_LAYER_NAMES,
                    **_ARCH_LAYER_NAMES.get(gguf.get("general.architecture"), {})}
     for name in gguf.tensors:
-        if name == "rope_freqs.weight":
+        if name in _SETTING_TENSORS:
             continue
         if name in _GLOBAL_NAMES:
             yield name, _GLOBAL_NAMES[name]
