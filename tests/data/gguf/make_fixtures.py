@@ -200,8 +200,8 @@ def main() -> None:
             sys.exit(f"missing {needed}: run benchmarks/peers/setup_llamacpp.sh first")
 
     sys.path.insert(0, str(REPO))
-    from benchmarks.peers.llamacpp_convert import convert
     import tests.model_fixtures
+    from benchmarks.peers.llamacpp_convert import convert
     from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 
     args.work.mkdir(parents=True, exist_ok=True)
