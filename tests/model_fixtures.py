@@ -212,8 +212,10 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int,
 # its Llama q/k row permutation), so the converter is checked against the
 # original HF weights rather than against itself.
 
+# Mistral is written as llama (as llama.cpp does), with `llama.attention.sliding_window`
+# when the checkpoint has a window (which llama.cpp's converter leaves out).
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-              "gemma3": "gemma3"}
+              "gemma3": "gemma3", "mistral": "llama"}
 GGUF_ARCHITECTURES = tuple(_GGUF_ARCH)  # those build_tiny_gguf writes
 _TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -267,6 +269,8 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if arch == "gemma3"
                               else rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "mistral" and config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
     if arch == "gemma3":  # llama.cpp: window, soft-cap; every 6th layer global, local base 10k
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -317,9 +321,9 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
                 _, _, expert, proj = module.split(".")
                 experts.setdefault((layer, proj), {})[int(expert)] = weight
                 continue
-            if arch == "llama" and module == "self_attn.q_proj":
+            if _GGUF_ARCH[arch] == "llama" and module == "self_attn.q_proj":
                 weight = _llama_cpp_permute(weight, config.num_attention_heads)
-            if arch == "llama" and module == "self_attn.k_proj":
+            if _GGUF_ARCH[arch] == "llama" and module == "self_attn.k_proj":
                 weight = _llama_cpp_permute(weight, config.num_key_value_heads)
             add_tensor(f"blk.{layer}.{to_gguf[module]}.{leaf}", weight)
     for (layer, proj), by_expert in experts.items():
