@@ -13,8 +13,8 @@ import pytest
 from server.chat_output import ChoiceParser, ParsedDelta
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkTagReasoningStream, make_reasoning_stream
 from server.pythonic_calls import parse_pythonic_calls
+from server.reasoning import ThinkTagReasoningStream, make_reasoning_stream
 from server.tool_parsers import (
     HermesToolStream,
     Llama3JsonToolStream,
