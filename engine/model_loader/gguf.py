@@ -47,7 +47,8 @@ GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live t
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 5  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 6  # bump when the output format changes: old caches are then ignored
+# (6: a llama file's sliding_window, phi3)
 # The dtype the cached config declares (what `--dtype auto` follows on CUDA): float32 up to
 # this many parameters, bfloat16 above.
 FLOAT32_MAX_PARAMS = 1_500_000_000
