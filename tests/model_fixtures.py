@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3",
+                 "gemma2")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,11 +41,12 @@ _CORPUS = [
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
-                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
+                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig",
+                   "gemma2": "Gemma2Config"}
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,6 +99,12 @@ def tiny_config(arch: str = "llama", **overrides: Any):
                       rope_parameters={
                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                           "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    if arch == "gemma2":
+        # 2 layers, local (window 20) then global, one RoPE base; attention scores
+        # soft-capped at 5 (Gemma 2's 50 would barely bend a tiny model's scores).
+        kwargs.update(num_hidden_layers=2, query_pre_attn_scalar=16, sliding_window=20,
+                      attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                      hidden_activation="gelu_pytorch_tanh")
     if arch == "qwen3_moe":
         kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

@@ -335,14 +335,15 @@ class Scores:
         if not self.softcap:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                   scale=self.scale)
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        # Few ops on few elements: each op's thread handoff costs more than its work here.
+        capped = torch.matmul(q.float() * (self.scale / self.softcap),
+                              k.float().transpose(-1, -2)).tanh_().mul_(self.softcap)
         if is_causal:
-            length = scores.shape[-1]
+            length = capped.shape[-1]
             mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+            capped.masked_fill_(mask.logical_not(), float("-inf"))
+        return torch.matmul(torch.softmax(capped, dim=-1), v.float()).to(q.dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores,
