@@ -223,7 +223,7 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int,
 # Mistral is written as llama (as llama.cpp does), with `llama.attention.sliding_window`
 # when the checkpoint has a window (which llama.cpp's converter leaves out).
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-              "gemma3": "gemma3", "mistral": "llama"}
+              "gemma3": "gemma3", "mistral": "llama", "gemma2": "gemma2"}
 GGUF_ARCHITECTURES = tuple(_GGUF_ARCH)  # those build_tiny_gguf writes
 _TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -279,6 +279,10 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch == "mistral" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":  # llama.cpp: window, both soft-caps; every other layer global
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "gemma3":  # llama.cpp: window, soft-cap; every 6th layer global, local base 10k
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -312,9 +316,9 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
             writer.add_tensor(gguf_name, weight)
 
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    to_gguf = _GEMMA3_TO_GGUF if arch == "gemma3" else _TO_GGUF
+    to_gguf = _GEMMA3_TO_GGUF if arch in ("gemma2", "gemma3") else _TO_GGUF
     for name, weight in state.items():
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1.0  # llama.cpp stores Gemma's (1 + w)
         if name == "model.embed_tokens.weight":
             add_tensor("token_embd.weight", weight)

@@ -100,7 +100,8 @@ def test_default_model_without_its_package_says_how_to_install(monkeypatch):
 @pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_gguf_conversion_matches_original_weights(arch, tmp_path):
     """llama.cpp-style GGUF (permuted Llama q/k, stacked experts) -> same logits as the original."""
-    hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch, tie_word_embeddings=arch == "qwen2")
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch,
+                                   tie_word_embeddings=arch in ("qwen2", "gemma2"))
     gguf_path = build_tiny_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", arch)
     resolved = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
     assert resolved.source == "gguf" and resolved.served_model_name == f"tiny-{arch}"

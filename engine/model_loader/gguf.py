@@ -14,8 +14,9 @@ The config comes from the GGUF metadata and the tokenizer (with its chat templat
 from transformers' GGUF tokenizer support.
 
 Architectures: llama (Llama, Mistral: a `llama.attention.sliding_window` makes it a
-Mistral with that window), qwen2, qwen3, qwen3moe, gemma3 (text; llama.cpp stores its norm
-weights as 1 + w: `norm_offset` tells the loader to take the 1 back off), phi3 (Phi-3,
+Mistral with that window), qwen2, qwen3, qwen3moe, gemma3 (text) and gemma2 (llama.cpp
+stores their norm weights as 1 + w: `norm_offset` tells the loader to take the 1 back off),
+phi3 (Phi-3,
 Phi-3.5, Phi-4-mini: fused `attn_qkv` / `ffn_up` (gate and up) tensors, LongRoPE factors as
 the `rope_factors_long` / `rope_factors_short` tensors).
 """
@@ -61,12 +62,15 @@ _ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
 }
 # Per-architecture names that differ from _LAYER_NAMES.
+_GEMMA_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {
-    "gemma3": {"post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": _GEMMA_NORM_NAMES,
+    "gemma2": _GEMMA_NORM_NAMES,
     # Phi-3's fused tensors keep their HF names; ffn_up holds gate rows then up rows.
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
@@ -309,6 +313,8 @@ def config_from_gguf(gguf: GGUFFile):
             kwargs["sliding_window"] = meta("attention.sliding_window")
     if arch == "gemma3":
         kwargs.update(_gemma3_config(gguf, kwargs))
+    if arch == "gemma2":
+        kwargs.update(_gemma2_config(gguf, kwargs))
     if arch == "phi3":
         kwargs.update(_phi3_config(gguf, kwargs))
     if arch == "qwen3moe":
@@ -319,7 +325,7 @@ def config_from_gguf(gguf: GGUFFile):
             norm_topk_prob=True,  # llama.cpp always renormalises the top-k weights
         )
     scaling_type = meta("rope.scaling.type")
-    if scaling_type and scaling_type != "none" and arch not in ("gemma3", "phi3"):
+    if scaling_type and scaling_type != "none" and arch not in ("gemma3", "gemma2", "phi3"):
         kwargs["rope_scaling"] = {
             "rope_type": scaling_type,
             "factor": meta("rope.scaling.factor"),
@@ -357,6 +363,30 @@ def _gemma3_config(gguf: GGUFFile, kwargs: dict) -> dict:
         hidden_activation="gelu_pytorch_tanh")
 
 
+def _gemma2_config(gguf: GGUFFile, kwargs: dict) -> dict:
+    """Gemma 2's settings the way llama.cpp reads its GGUF: local and global layers
+    alternating (even layers local; `attention.sliding_window_pattern` if the file has
+    one), one RoPE base, the window (4096 when absent), both soft-caps, and the attention
+    scale 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (46 layers)."""
+    def meta(key: str, default=None):
+        return gguf.get(f"gemma2.{key}", default)
+
+    num_layers = kwargs["num_hidden_layers"]
+    pattern = meta("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # one flag per layer
+        local = [bool(flag) for flag in pattern]
+    else:  # every pattern-th layer global
+        local = [i % pattern < pattern - 1 for i in range(num_layers)]
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    return dict(
+        layer_types=["sliding_attention" if is_local else "full_attention" for is_local in local],
+        sliding_window=meta("attention.sliding_window", 4096),
+        query_pre_attn_scalar=hidden // heads if num_layers == 46 else kwargs["head_dim"],
+        attn_logit_softcapping=meta("attn_logit_softcapping"),
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
 def _phi3_config(gguf: GGUFFile, kwargs: dict) -> dict:
     """Phi-3's settings as llama.cpp's converter writes them: the rotary dimension
     (`rope.dimension_count`: Phi-4-mini rotates 96 of 128), the sliding window (0: none),
@@ -390,7 +420,8 @@ def _phi3_config(gguf: GGUFFile, kwargs: dict) -> dict:
 
 def norm_offset(gguf: GGUFFile, gguf_name: str) -> float:
     """What llama.cpp added to this tensor (Gemma's norms hold 1 + w), to take back off."""
-    if gguf.get("general.architecture") == "gemma3" and gguf_name.endswith("norm.weight"):
+    if gguf.get("general.architecture") in ("gemma2", "gemma3") and \
+            gguf_name.endswith("norm.weight"):
         return 1.0
     return 0.0
 
