@@ -311,6 +311,10 @@ def config_from_gguf(gguf: GGUFFile):
         if meta("attention.sliding_window"):
             model_type, kwargs["architectures"] = "mistral", ["MistralForCausalLM"]
             kwargs["sliding_window"] = meta("attention.sliding_window")
+        elif "mistral" in str(gguf.get("general.name", "")).lower():
+            logger.info("%s: a Mistral GGUF without llama.attention.sliding_window: served "
+                        "with full attention (as llama.cpp does; Mistral 7B v0.1's "
+                        "checkpoint has a 4096-token window)", gguf.path.name)
     if arch == "gemma3":
         kwargs.update(_gemma3_config(gguf, kwargs))
     if arch == "gemma2":
