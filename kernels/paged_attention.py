@@ -86,6 +86,7 @@ def _paged_attention_kernel(
     stride_block_table_r,
     stride_block_table_b,
     sliding_window,  # W > 0: a query at position p sees keys p - W + 1 .. p; 0: all keys
+    softcap,  # c: each scaled score s becomes c * tanh(s / c) (only read with SOFTCAP)
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_SIZE rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block (the key tile width)
@@ -93,6 +94,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_M: tl.constexpr,  # tile rows, a power of two >= BLOCK_Q * GROUP
     UPCAST: tl.constexpr,  # feed tl.dot fp32 operands (interpreter + bf16 only; see below)
+    SOFTCAP: tl.constexpr,  # soft-cap the scores (Gemma 2)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,6 +161,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_SIZE]
+        if SOFTCAP:  # c * tanh(s / c), with tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (
             (k_pos[None, :] > q_pos[:, None] - sliding_window) | (sliding_window <= 0))
         s = tl.where(visible, s, float("-inf"))
@@ -203,9 +207,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed batch; returns ``out`` ``[T, Hq, D]`` (query dtype).
-    With ``sliding_window`` W a query at position p sees keys p - W + 1 .. p only.
+    With ``sliding_window`` W a query at position p sees keys p - W + 1 .. p only; with
+    ``logit_softcap`` c each scaled score s becomes c * tanh(s / c) before the softmax.
 
     See the module docstring for the contract. ``max_query_len`` (the longest q_len in the
     batch) sizes the grid; if ``None`` it is computed from ``query_start_loc``, which costs a
@@ -250,6 +256,7 @@ def paged_attention(
         *kv_cache.stride(),
         *block_table.stride(),
         sliding_window or 0,
+        float(logit_softcap or 0.0),
         HEAD_SIZE=head_size,
         BLOCK_D=_next_pow2(head_size),
         BLOCK_SIZE=block_size,
@@ -257,5 +264,6 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         UPCAST=upcast,
+        SOFTCAP=bool(logit_softcap),
     )
     return out

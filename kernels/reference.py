@@ -67,6 +67,7 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole (paged) context.
 
@@ -77,7 +78,8 @@ def paged_attention_ref(
     Computed in fp32, written in ``query.dtype`` to ``out`` (allocated if ``None``), which is
     returned. Rows past ``query_start_loc[-1]`` (padding) are left untouched.
     ``max_query_len`` is accepted for signature compatibility and ignored. With
-    ``sliding_window`` W the query at position ``p`` sees only keys ``p - W + 1 .. p``.
+    ``sliding_window`` W the query at position ``p`` sees only keys ``p - W + 1 .. p``. With
+    ``logit_softcap`` c each scaled score s becomes ``c * tanh(s / c)`` before the softmax.
     """
     del max_query_len
     num_heads = query.shape[1]
@@ -98,6 +100,8 @@ def paged_attention_ref(
         q = query[start:end].float()  # [Q, Hq, D]
 
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, S]
+        if logit_softcap:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [Q, S]

@@ -27,6 +27,8 @@ from engine.config import (
     SpeculativeConfig,
     parse_size,
 )
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import TOOL_CALL_PARSERS
 
 ENV_PREFIX = "PAGEDSERVE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -279,12 +281,16 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     # Chat: tool calls and reasoning (server/tools.py, server/reasoning.py).
     flag("--tool-call-parser", "How tool_choice 'auto' finds tool calls in the output: "
          "'hermes' (<tool_call> JSON, Qwen2/Qwen3), 'llama3_json' (Llama 3 JSON calls), "
-         "'auto' (by the model's family: hermes for Qwen, llama3_json for Llama), or 'none' "
-         "(tool_choice 'auto' is refused; 'required' and named functions always work).",
-         choices=["auto", "hermes", "llama3_json", "none"], default="auto")
+         "'mistral' ([TOOL_CALLS] and a JSON list), 'phi4_mini_json' (<|tool_call|> and a "
+         "JSON list, Phi-4-mini), 'pythonic' ([f(a=1)], Gemma 3), 'auto' (by the model's "
+         "family: hermes for Qwen, llama3_json for Llama, mistral for Mistral, "
+         "phi4_mini_json for Phi-3/4, pythonic for Gemma 3), or 'none' (tool_choice 'auto' "
+         "is refused; 'required' and named functions always work).",
+         choices=["auto", *TOOL_CALL_PARSERS, "none"], default="auto")
     flag("--reasoning-parser", "Split a thinking model's output: 'qwen3' sends the text "
-         "between <think> and </think> as reasoning_content. Default: none.",
-         choices=["qwen3"])
+         "between <think> and </think> as reasoning_content (Qwen3, Phi-4 reasoning), "
+         "'mistral' the text between [THINK] and [/THINK] (Magistral). Default: none.",
+         choices=list(REASONING_PARSERS))
     flag("--shutdown-timeout", "On SIGTERM/SIGINT: refuse new requests (503) and let the "
          "in-flight ones finish for up to this many seconds, then abort the rest and exit.",
          type=_seconds, default="5")

@@ -1,7 +1,10 @@
 """Reasoning parsers: split a thinking model's output into reasoning and content.
 
 `--reasoning-parser qwen3`: text between `<think>` and `</think>` is the reasoning
-(`message.reasoning_content`, `delta.reasoning_content`), the rest is the content.
+(`message.reasoning_content`, `delta.reasoning_content`), the rest is the content
+(Qwen3, and the Phi-4 reasoning models, which use the same tags). `mistral`: the same
+with Magistral's `[THINK]` and `[/THINK]`, special tokens that its requests keep in the
+text (`keeps_special_tokens`).
 An output that does not open with `<think>` is all content (Qwen3 with
 `enable_thinking: false`: the template already closed an empty think block). A think
 block the output never closes (cut by max_tokens) is all reasoning.
@@ -18,8 +21,13 @@ from dataclasses import replace
 
 from engine.structured_output import StructuredOutputsParams
 
-REASONING_PARSERS = ("qwen3",)
-_END_TAGS = {"qwen3": "</think>"}
+REASONING_PARSERS = ("qwen3", "mistral")
+_END_TAGS = {"qwen3": "</think>", "mistral": "[/THINK]"}
+
+
+def keeps_special_tokens(parser: str | None) -> bool:
+    """Whether output read by reasoning parser `parser` must keep special tokens' text."""
+    return parser == "mistral"
 
 
 def grammar_after_reasoning(tokenizer, parser: str, params: StructuredOutputsParams,
@@ -39,6 +47,12 @@ def grammar_after_reasoning(tokenizer, parser: str, params: StructuredOutputsPar
 
 class ThinkTagReasoningStream:
     START, END = "<think>", "</think>"
+
+    @classmethod
+    def with_tags(cls, start: str, end: str) -> ThinkTagReasoningStream:
+        stream = cls()
+        stream.START, stream.END = start, end
+        return stream
 
     def __init__(self) -> None:
         self.buffer = ""
@@ -93,6 +107,8 @@ class ThinkTagReasoningStream:
 def make_reasoning_stream(name: str) -> ThinkTagReasoningStream:
     if name == "qwen3":
         return ThinkTagReasoningStream()
+    if name == "mistral":
+        return ThinkTagReasoningStream.with_tags("[THINK]", "[/THINK]")
     raise ValueError(f"unknown reasoning parser {name!r}; choose from {REASONING_PARSERS}")
 
 

@@ -30,6 +30,7 @@ from server.protocol import (
     DeltaMessage,
 )
 from server.reasoning import grammar_after_reasoning
+from server.reasoning import keeps_special_tokens as reasoning_keeps_special_tokens
 from server.serving_common import (
     EngineStreamingResponse,
     StreamChunkWriter,
@@ -49,6 +50,7 @@ from server.serving_common import (
     usage_chunk_for,
 )
 from server.state import ServerState
+from server.tool_parsers import keeps_special_tokens as tool_parser_keeps_special_tokens
 from server.tools import ToolPlan, plan_output
 
 
@@ -112,6 +114,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
         if getattr(exc, "param", None) == "logprobs":
             exc.param = "top_logprobs"  # chat's name for the number of alternatives
         raise
+    if (plan.mode == "auto" and tool_parser_keeps_special_tokens(plan.parser)) or \
+            reasoning_keeps_special_tokens(state.reasoning_parser):
+        params.skip_special_tokens = False  # the format's markers are special tokens
     if prompt_token_ids is None:
         _, prompt_token_ids = apply_chat_template(state, body.messages,
                                                   body.add_generation_prompt,

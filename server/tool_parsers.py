@@ -14,6 +14,17 @@ fragments always add up to the non-streamed message.
     Llama3JsonToolStream  "auto", Llama 3 (llama3_json): the output is
                         {"name": "f", "parameters": {...}} (several joined by ';'),
                         optionally after <|python_tag|>; anything else is content
+    MistralToolStream   "auto", Mistral (mistral): content, then [TOOL_CALLS] and a JSON
+                        array [{"name": "f", "arguments": {...}}, ...], or (tokenizers
+                        v11+) [TOOL_CALLS]f[ARGS]{...} per call; ids of 9 alphanumerics
+    Phi4MiniJsonToolStream  "auto", Phi-4-mini (phi4_mini_json): content, then
+                        <|tool_call|>[{"name": "f", "arguments": {...}}]<|/tool_call|>,
+                        or functools[...] (vLLM's template for it)
+    PythonicToolStream  "auto", Gemma 3 (pythonic): the output is a Python list of calls,
+                        [f(a=1, b="x"), g()], optionally in a ```tool_code fence
+
+The Mistral and Phi-4-mini markers are special tokens of their tokenizers: a request parsed
+by them is detokenized with `skip_special_tokens` off (`keeps_special_tokens`), as vLLM does.
 
 Arguments are always JSON text as the model wrote it (OpenAI's `arguments` string).
 A call's first delta carries its `id` and `name`; later ones only argument fragments.
@@ -23,23 +34,40 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
+from server.pythonic_calls import parse_pythonic_calls
 from server.reasoning import partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-# Parser used for "auto" by model family (config.json model_type).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
+# Parser used for "auto" by model family (config.json model_type). Phi-3 and Phi-3.5 have
+# no tool format; Phi-4-mini (model_type phi3 too) has phi4_mini_json's.
 _FAMILY_PARSERS = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
-                   "qwen2_moe": "hermes", "llama": "llama3_json"}
+                   "qwen2_moe": "hermes", "llama": "llama3_json", "mistral": "mistral",
+                   "phi3": "phi4_mini_json", "gemma3": "pythonic", "gemma3_text": "pythonic"}
+# Parsers whose markers are special tokens (dropped by skip_special_tokens).
+_SPECIAL_TOKEN_PARSERS = ("mistral", "phi4_mini_json")
 
 
 def parser_for_model_type(model_type: str | None) -> str | None:
     return _FAMILY_PARSERS.get(model_type or "")
 
 
+def keeps_special_tokens(parser: str | None) -> bool:
+    """Whether output parsed by `parser` must keep its special tokens' text."""
+    return parser in _SPECIAL_TOKEN_PARSERS
+
+
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def new_mistral_tool_call_id() -> str:
+    """Mistral's chat templates refuse a call id that is not 9 letters or digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 @dataclass
@@ -278,20 +306,220 @@ class Llama3JsonToolStream(ToolStream):
         return "", deltas
 
 
+class MarkedJsonCallsStream(ToolStream):
+    """Content, then blocks of calls, each opened by one of the START markers: a JSON
+    array of {"name", "arguments"} objects (or a lone object), closed by the END marker
+    where the format has one, else by the array's end or the output's. A call is sent as
+    soon as its object is whole; text after a closed block is content again.
+
+        'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", ...'
+         content ^marker   ^ call 0 sent once this object's last '}' has arrived
+
+    A block that holds no calls after all (malformed, or cut short by max_tokens) is
+    content, from its marker on (from its first unparsed character when some of its calls
+    were sent), and so is the rest of the output: nothing the model wrote is lost.
+    """
+
+    STARTS: tuple[str, ...] = ()
+    END: str | None = None
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.buffer = ""  # in content: text held back (a marker may be arriving);
+        #                   in a block: the block's text from its marker on
+        self.in_block = False
+        self.pos = 0  # in a block: where parsing continues in `buffer`
+        self.block_calls = 0
+        self.failed = False
+
+    def new_id(self) -> str:
+        return new_tool_call_id()
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self.buffer += text
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        while True:
+            if self.failed:
+                content, self.buffer = content + self.buffer, ""
+                return content, deltas
+            if not self.in_block:
+                found = [(at, m) for m in self.STARTS if (at := self.buffer.find(m)) >= 0]
+                if not found:
+                    keep = 0 if final else max(partial_suffix(self.buffer, m)
+                                               for m in self.STARTS)
+                    cut = len(self.buffer) - keep
+                    content, self.buffer = content + self.buffer[:cut], self.buffer[cut:]
+                    return content, deltas
+                at, marker = min(found)
+                content, self.buffer = content + self.buffer[:at], self.buffer[at:]
+                self.in_block, self.pos, self.block_calls = True, len(marker), 0
+            state = self._parse_block(deltas, final)
+            if state == "wait":
+                return content, deltas
+            if state == "failed":
+                self.failed = True
+                if self.block_calls:
+                    self.buffer = self.buffer[self.pos:]
+                continue
+            self.buffer, self.in_block = self.buffer[self.pos:], False  # closed
+
+    def _parse_block(self, deltas: list[ToolCallDelta], final: bool) -> str:
+        """Parse the open block from `pos` on: "wait" (more text needed), "closed" or
+        "failed"; whole calls are appended to `deltas`."""
+        while True:
+            pos = self.pos
+            while pos < len(self.buffer) and self.buffer[pos] in " \t\r\n,":
+                pos += 1
+            rest = self.buffer[pos:]
+            may_grow = not final and any(m.startswith(rest) for m in (*self.STARTS, self.END)
+                                         if m)
+            if not rest:
+                return "closed" if final else "wait"
+            if self.END and rest.startswith(self.END):
+                self.pos = pos + len(self.END)
+                return "closed"
+            if any(rest.startswith(m) for m in self.STARTS):
+                self.pos = pos
+                return "closed"  # the next block opens here
+            if may_grow:
+                return "wait"  # maybe a marker, still arriving
+            if rest[0] in "[]":
+                self.pos = pos + 1
+                if rest[0] == "]" and self.END is None:
+                    return "closed"
+                continue
+            if rest[0] == "{":
+                end = json_value_end(self.buffer, pos)
+                if end is None:
+                    return "failed" if final else "wait"
+                call = _parse_call(self.buffer[pos:end], "arguments", "parameters")
+            else:
+                end, call = self._other_call(pos, final)
+                if end is None:
+                    return "failed" if final or call == "failed" else "wait"
+            if call is None:
+                return "failed"
+            self.pos = end
+            self.block_calls += 1
+            if self.parallel or self.num_calls == 0:
+                deltas.append(ToolCallDelta(self.num_calls, self.new_id(), *call))
+                self.num_calls += 1
+
+    def _other_call(self, pos: int, final: bool) -> tuple[int | None, object]:
+        """A call in the format's other syntax at `pos`: (its end, (name, arguments)),
+        (None, None) while incomplete, (None, "failed") if it is none."""
+        return None, "failed"
+
+
+class MistralToolStream(MarkedJsonCallsStream):
+    """[TOOL_CALLS] then a JSON array of calls; or, with Mistral's v11+ tokenizers,
+    [TOOL_CALLS]name[ARGS]{...} for each call."""
+
+    STARTS = ("[TOOL_CALLS]",)
+    ARGS = "[ARGS]"
+    _NAME = re.compile(r"[\w.\-]+")
+
+    def new_id(self) -> str:
+        return new_mistral_tool_call_id()
+
+    def _other_call(self, pos: int, final: bool) -> tuple[int | None, object]:
+        name = self._NAME.match(self.buffer, pos)
+        if name is None:
+            return None, "failed"
+        after = self.buffer[name.end():]
+        if not after.startswith(self.ARGS):
+            return None, None if self.ARGS.startswith(after) and not final else "failed"
+        start = name.end() + len(self.ARGS)
+        while start < len(self.buffer) and self.buffer[start].isspace():
+            start += 1
+        end = json_value_end(self.buffer, start)
+        if end is None:
+            return None, None
+        try:
+            arguments = json.loads(self.buffer[start:end])
+        except json.JSONDecodeError:
+            return None, "failed"
+        return end, (name.group(), json.dumps(arguments, ensure_ascii=False))
+
+
+class Phi4MiniJsonToolStream(MarkedJsonCallsStream):
+    """<|tool_call|>[{"name", "arguments"}, ...]<|/tool_call|> (Phi-4-mini's tokens), or
+    functools[...] (the format of vLLM's Phi-4-mini template)."""
+
+    STARTS = ("<|tool_call|>", "functools[")
+    END = "<|/tool_call|>"
+
+
+class PythonicToolStream(ToolStream):
+    """A whole output that is a Python list of calls (server/pythonic_calls.py), possibly
+    in a ```tool_code fence; decided at the end. Anything else is content."""
+
+    FENCE = "```tool_code"
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.buffer = ""
+        self.mode: str | None = None  # None: undecided, "content", "calls"
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.mode == "content":
+            return text, []
+        self.buffer += text
+        head = self.buffer.lstrip()
+        if self.mode == "calls" or not head:
+            return "", []
+        if head.startswith("[") or head.startswith(self.FENCE):
+            self.mode = "calls"  # parsed at the end, when the whole list is there
+            return "", []
+        if self.FENCE.startswith(head):
+            return "", []  # maybe the fence, still arriving
+        self.mode = "content"
+        content, self.buffer = self.buffer, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        text, self.buffer = self.buffer, ""
+        if self.mode != "calls":
+            return text, []
+        body = text.strip()
+        if body.startswith(self.FENCE):
+            body = body[len(self.FENCE):].strip().removesuffix("```")
+        calls = parse_pythonic_calls(body)
+        if not calls:
+            return text, []
+        if not self.parallel:
+            calls = calls[:1]
+        deltas = [ToolCallDelta(i, new_tool_call_id(), *call) for i, call in enumerate(calls)]
+        self.num_calls = len(deltas)
+        return "", deltas
+
+
+_AUTO_STREAMS = {"hermes": HermesToolStream, "llama3_json": Llama3JsonToolStream,
+                 "mistral": MistralToolStream, "phi4_mini_json": Phi4MiniJsonToolStream,
+                 "pythonic": PythonicToolStream}
+
+
 def make_auto_stream(parser: str, parallel: bool) -> ToolStream:
-    if parser == "hermes":
-        return HermesToolStream(parallel)
-    if parser == "llama3_json":
-        return Llama3JsonToolStream(parallel)
-    raise ValueError(f"unknown tool-call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
+    if parser not in _AUTO_STREAMS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; choose from {TOOL_CALL_PARSERS}")
+    return _AUTO_STREAMS[parser](parallel)
 
 
 def _parse_call(body: str, *argument_keys: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of one call object, or None if it is not one."""
+    """(name, arguments JSON text) of one call object, or None if it is not one. OpenAI's
+    own shape, {"type": "function", "function": {"name", "arguments"}}, is read too."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict) and "name" not in obj:
+        obj = obj["function"]
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     for key in argument_keys:

@@ -3,7 +3,8 @@
     tool_choice        output                                  parsed by
     "none" (or none)   free text                               -
     "auto" (default)   free text; the model may call tools     --tool-call-parser (hermes,
-                       in its own format                       llama3_json; default by family)
+                       in its own format                       llama3_json, mistral, ...;
+                                                               default by family)
     "required"         grammar: [{"name", "parameters"}, ...]  RequiredToolStream
     {"function": f}    grammar: f's arguments object           NamedToolStream
 
@@ -105,7 +106,8 @@ def plan_tools(body: ChatCompletionRequest, default_parser: str | None) -> ToolP
         if default_parser is None:
             raise bad_request(
                 "tool_choice 'auto' needs a tool-call parser for this model; start the server "
-                "with --tool-call-parser (hermes or llama3_json), or use 'required' or a "
+                "with --tool-call-parser (hermes, llama3_json, mistral, phi4_mini_json or "
+                "pythonic), or use 'required' or a "
                 "named function.", "tool_choice", "unsupported_parameter")
         return ToolPlan("auto", None, template_tools, default_parser, parallel)
     if choice == "required":

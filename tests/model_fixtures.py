@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "gemma3",
+                 "gemma2")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,11 +41,12 @@ _CORPUS = [
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                    "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
-                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig"}
+                   "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig",
+                   "gemma2": "Gemma2Config"}
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,11 +99,29 @@ def tiny_config(arch: str = "llama", **overrides: Any):
                       rope_parameters={
                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                           "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    if arch == "gemma2":
+        # 2 layers, local (window 20) then global, one RoPE base; attention scores
+        # soft-capped at 5 (Gemma 2's 50 would barely bend a tiny model's scores).
+        kwargs.update(num_hidden_layers=2, query_pre_attn_scalar=16, sliding_window=20,
+                      attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                      hidden_activation="gelu_pytorch_tanh")
     if arch == "qwen3_moe":
         kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     kwargs.update(overrides)
     return getattr(transformers, _CONFIG_CLASSES[arch])(**kwargs)
+
+
+# A Phi-4-mini-shaped tiny Phi-3 (tests/data/gguf/tiny-phi4-longrope-F32.gguf, and the
+# checkpoint its test rebuilds): LongRoPE past a 16-token original context (so every prompt
+# of 17+ tokens takes the long factors, in transformers as here), rotary on 0.75 of each
+# head (Phi-4-mini's), tied embeddings, and a 24-token window on every layer (Phi-3-mini-4k).
+TINY_PHI4_LONGROPE = dict(
+    hidden_size=128, intermediate_size=256, head_dim=32, tie_word_embeddings=True,
+    partial_rotary_factor=0.75, max_position_embeddings=512,
+    original_max_position_embeddings=16, sliding_window=24,
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                  "long_factor": [2.0 + 0.5 * i for i in range(12)]})
 
 
 def build_hf_model(config, seed: int = 0):
@@ -200,8 +220,10 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int,
 # its Llama q/k row permutation), so the converter is checked against the
 # original HF weights rather than against itself.
 
+# Mistral is written as llama (as llama.cpp does), with `llama.attention.sliding_window`
+# when the checkpoint has a window (which llama.cpp's converter leaves out).
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-              "gemma3": "gemma3"}
+              "gemma3": "gemma3", "mistral": "llama", "gemma2": "gemma2"}
 GGUF_ARCHITECTURES = tuple(_GGUF_ARCH)  # those build_tiny_gguf writes
 _TO_GGUF = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -255,6 +277,12 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if arch == "gemma3"
                               else rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "mistral" and config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":  # llama.cpp: window, both soft-caps; every other layer global
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "gemma3":  # llama.cpp: window, soft-cap; every 6th layer global, local base 10k
         writer.add_sliding_window(config.sliding_window)
         if config.final_logit_softcapping:
@@ -288,9 +316,9 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
             writer.add_tensor(gguf_name, weight)
 
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-    to_gguf = _GEMMA3_TO_GGUF if arch == "gemma3" else _TO_GGUF
+    to_gguf = _GEMMA3_TO_GGUF if arch in ("gemma2", "gemma3") else _TO_GGUF
     for name, weight in state.items():
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1.0  # llama.cpp stores Gemma's (1 + w)
         if name == "model.embed_tokens.weight":
             add_tensor("token_embd.weight", weight)
@@ -305,9 +333,9 @@ def build_tiny_gguf(hf_dir: str | Path, gguf_path: str | Path, arch: str,
                 _, _, expert, proj = module.split(".")
                 experts.setdefault((layer, proj), {})[int(expert)] = weight
                 continue
-            if arch == "llama" and module == "self_attn.q_proj":
+            if _GGUF_ARCH[arch] == "llama" and module == "self_attn.q_proj":
                 weight = _llama_cpp_permute(weight, config.num_attention_heads)
-            if arch == "llama" and module == "self_attn.k_proj":
+            if _GGUF_ARCH[arch] == "llama" and module == "self_attn.k_proj":
                 weight = _llama_cpp_permute(weight, config.num_key_value_heads)
             add_tensor(f"blk.{layer}.{to_gguf[module]}.{leaf}", weight)
     for (layer, proj), by_expert in experts.items():

@@ -17,11 +17,15 @@ from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.quant import KERNEL_CALLS, QuantizedWeight
 from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.model_fixtures import TINY_PHI4_LONGROPE, build_tiny_checkpoint
 
 FIXTURES = Path(__file__).parent / "data" / "gguf"
 needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 ALL_FILES = sorted(p.name for p in FIXTURES.glob("*.gguf"))
+# transformers reads a phi3 GGUF without its LongRoPE factors and window: this file is
+# compared with the checkpoint it was converted from instead.
+PHI4_LONGROPE = "tiny-phi4-longrope-F32.gguf"
 # A shared 40-token prefix (prefix-cache hits across requests), prompts longer than the
 # 16-token chunks the engine is given, and a short one.
 PREFIX = [(7 * i + 3) % 380 + 10 for i in range(40)]
@@ -44,7 +48,7 @@ def greedy(llm: LLM, prompts, logprobs: int | None = None):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ALL_FILES)
+@pytest.mark.parametrize("name", [n for n in ALL_FILES if n != PHI4_LONGROPE])
 def test_gguf_file_matches_transformers_under_prefix_hits_chunks_and_preemption(name):
     llm = stressed_llm(FIXTURES / name)
     got = [o.outputs[0].token_ids for o in greedy(llm, PROMPTS)]
@@ -88,6 +92,56 @@ def test_fallback_types_of_a_q4_k_m_file_are_repacked_exactly():
     for ours, reference in zip(downs, dense.model.layers, strict=True):
         torch.testing.assert_close(ours.dequantized(), reference.mlp.down_proj.weight,
                                    atol=0, rtol=0)
+
+
+@needs_kernels
+def test_phi3_longrope_file_matches_its_source_checkpoint(tmp_path):
+    """Phi-4-mini's shape as llama.cpp writes it: LongRoPE factors as tensors, rotary on
+    24 of 32 dims, tied embeddings, a 24-token window; prompts of 17+ tokens outgrow the
+    16-token original context (long factors) and the window."""
+    source = build_tiny_checkpoint(tmp_path / "hf", "phi3", seed=0, **TINY_PHI4_LONGROPE)
+    llm = stressed_llm(FIXTURES / PHI4_LONGROPE)
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from engine.model_loader.gguf_file import GGUFFile
+
+    embed = load_file(source / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(torch.from_numpy(GGUFFile(FIXTURES / PHI4_LONGROPE)
+                                        .load("token_embd.weight")), embed), \
+        "the fixture is not this checkpoint's: rerun tests/data/gguf/make_fixtures.py"
+    ours, theirs = (AutoConfig.from_pretrained(d) for d in (llm.model_dir, source))
+    assert ours.architectures == ["Phi3ForCausalLM"] and ours.sliding_window == 24
+    assert ours.partial_rotary_factor == 0.75 and ours.tie_word_embeddings
+    for key in ("rope_type", "long_factor", "short_factor", "original_max_position_embeddings"):
+        assert ours.rope_parameters[key] == pytest.approx(theirs.rope_parameters[key]), key
+    prompts = [p for p in PROMPTS if len(p) > 16]
+    got = [o.outputs[0].token_ids for o in greedy(llm, prompts)]
+    reference = hf_greedy_reference(source, prompts, MAX_TOKENS, ignore_eos=True)
+    assert assert_greedy_matches(got, reference, max_gap=NEAR_TIE_LOGPROB_GAP) == 0
+
+
+@needs_kernels
+def test_phi3_fused_tensors_are_served_whole_and_split_when_dense():
+    """attn_qkv / ffn_up (gate and up) stay one packed weight each (a Q4_K_M mix: Q4_K in
+    layer 0, Q6_K in layer 1; Q4_0 repacked); unpacked, they load as their q/k/v and
+    gate/up pieces (the tensor-parallel path), to the same values."""
+    k_quant = load_model(resolve_model(str(FIXTURES / "tiny-phi3-Q4_K_M.gguf")).path,
+                         torch.float32, "cpu", "auto")
+    assert dict(k_quant.gguf_report.packed_types) == {"Q4_K": 7, "Q6_K": 3}
+    for layer in k_quant.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj.quantized, GGUFWeight)
+        assert isinstance(layer.mlp.gate_up_proj.quantized, GGUFWeight)
+    resolved = resolve_model(str(FIXTURES / "tiny-phi3-Q4_0.gguf"))
+    packed = load_model(resolved.path, torch.float32, "cpu", "auto")
+    assert dict(packed.gguf_report.repacked_types) == {"Q4_0": 9}
+    dense = load_model(resolved.path, torch.float32, "cpu", "none")
+    for ours, reference in zip(packed.model.layers, dense.model.layers, strict=True):
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            weight = ours.get_submodule(name).quantized
+            assert isinstance(weight, QuantizedWeight)
+            torch.testing.assert_close(weight.dequantized(),
+                                       reference.get_submodule(name).weight, atol=0, rtol=0)
 
 
 @pytest.fixture
@@ -185,4 +239,4 @@ def _add_metadata(writer, key, value) -> None:
 
 def test_fixtures_exist():
     """The files the tests above read are in the repository (not built at test time)."""
-    assert len(ALL_FILES) >= 12
+    assert len(ALL_FILES) >= 15

@@ -100,7 +100,8 @@ def test_default_model_without_its_package_says_how_to_install(monkeypatch):
 @pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
 def test_gguf_conversion_matches_original_weights(arch, tmp_path):
     """llama.cpp-style GGUF (permuted Llama q/k, stacked experts) -> same logits as the original."""
-    hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch, tie_word_embeddings=arch == "qwen2")
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", arch,
+                                   tie_word_embeddings=arch in ("qwen2", "gemma2"))
     gguf_path = build_tiny_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", arch)
     resolved = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
     assert resolved.source == "gguf" and resolved.served_model_name == f"tiny-{arch}"
@@ -119,6 +120,28 @@ def test_gguf_conversion_matches_original_weights(arch, tmp_path):
 
     ours = load_model(resolved.path, torch.float32, "cpu")
     assert_logits_close(prefill_logits(ours, prompts), hf_logits(load_hf(hf_dir), prompts))
+
+
+def test_gguf_llama_file_with_a_sliding_window_is_a_mistral_with_that_window(tmp_path):
+    """`llama.attention.sliding_window` (Mistral 7B v0.1's 4096; here 12 tokens, shorter
+    than the prompts) makes the file a Mistral whose every layer sees only the window:
+    greedy tokens equal transformers' on the source checkpoint, through chunked prefill
+    (16-token chunks) and prefix hits."""
+    from engine import LLM, SamplingParams
+    from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "mistral", sliding_window=12)
+    gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny-mistral.gguf", "mistral")
+    llm = LLM(str(gguf_path), dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+    config = json.loads((llm.model_dir / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 12
+    prefix = [(7 * i + 3) % 380 + 10 for i in range(30)]
+    prompts = [prefix + [11, 12, 13], prefix + [200, 201], [(11 * i) % 370 + 20 for i in range(20)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    reference = hf_greedy_reference(hf_dir, prompts, 8, ignore_eos=True)
+    assert assert_greedy_matches(got, reference, max_gap=0.2) == 0
 
 
 def test_gguf_end_of_turn_tokens_join_the_eos_list(tmp_path):

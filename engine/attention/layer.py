@@ -11,7 +11,8 @@ from engine.attention.forward_context import get_forward_context
 class Attention(nn.Module):
     """Paged attention over this layer's slice of the KV cache.
 
-    With `sliding_window` W each query sees only its last W keys.
+    With `sliding_window` W each query sees only its last W keys; with `logit_softcap` c
+    every score s is soft-capped to c * tanh(s / c) (Gemma 2).
     `kv_cache` is set once by the model runner after it sizes the cache (in the
     backend's `kv_cache_shape` layout); the layer writes the
     step's new K/V into it and reads its context from it. Inputs and output are
@@ -19,7 +20,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not group into {num_kv_heads} KV heads")
@@ -29,6 +30,7 @@ class Attention(nn.Module):
         self.scale = scale
         # Sliding-window attention: each query sees its last `sliding_window` keys.
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap or None
         self.kv_cache: torch.Tensor | None = None
         # Which KV-cache group's block table this layer reads (engine.kv_cache.groups);
         # set by the model runner with the cache.
@@ -46,5 +48,6 @@ class Attention(nn.Module):
                 self.kv_group),
             self.scale,
             self.sliding_window,
+            logit_softcap=self.logit_softcap,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

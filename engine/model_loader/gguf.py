@@ -13,8 +13,12 @@ either exists complete or not at all; a second start finds it and converts nothi
 The config comes from the GGUF metadata and the tokenizer (with its chat template)
 from transformers' GGUF tokenizer support.
 
-Architectures: llama, qwen2, qwen3, qwen3moe, gemma3 (text; llama.cpp stores its norm
-weights as 1 + w: `norm_offset` tells the loader to take the 1 back off).
+Architectures: llama (Llama, Mistral: a `llama.attention.sliding_window` makes it a
+Mistral with that window), qwen2, qwen3, qwen3moe, gemma3 (text) and gemma2 (llama.cpp
+stores their norm weights as 1 + w: `norm_offset` tells the loader to take the 1 back off),
+phi3 (Phi-3,
+Phi-3.5, Phi-4-mini: fused `attn_qkv` / `ffn_up` (gate and up) tensors, LongRoPE factors as
+the `rope_factors_long` / `rope_factors_short` tensors).
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live t
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 5  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 6  # bump when the output format changes: old caches are then ignored
+# (6: a llama file's sliding_window, phi3)
 # The dtype the cached config declares (what `--dtype auto` follows on CUDA): float32 up to
 # this many parameters, bfloat16 above.
 FLOAT32_MAX_PARAMS = 1_500_000_000
@@ -56,13 +61,22 @@ _ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
 }
 # Per-architecture names that differ from _LAYER_NAMES.
+_GEMMA_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_LAYER_NAMES = {
-    "gemma3": {"post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": _GEMMA_NORM_NAMES,
+    "gemma2": _GEMMA_NORM_NAMES,
+    # Phi-3's fused tensors keep their HF names; ffn_up holds gate rows then up rows.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
+# Tensors that are settings, not weights: read into the config (or ignored), never loaded.
+_SETTING_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight",
+                    "rope_factors_short.weight")
 # llama.cpp's Gemma 3 sliding-window pattern: every 6th layer global (hard-coded there).
 GEMMA3_GLOBAL_EVERY = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -216,6 +230,9 @@ def _expected_shapes(gguf: GGUFFile):
         "self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,),
         "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
+        # Phi-3's fused tensors: q, k, v rows stacked; gate rows, then up rows
+        "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "mlp.gate_up_proj.weight": (2 * inter, hidden),
     }
     vocab = gguf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gguf.tensors else None
     top = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
@@ -288,8 +305,22 @@ def config_from_gguf(gguf: GGUFFile):
     )
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+        # A window makes it a Mistral. llama.cpp's converter writes Mistral as `llama` and
+        # leaves the window out (its runtime has none for llama), so only files whose
+        # writer added the key get one; the others run with full attention, as there.
+        if meta("attention.sliding_window"):
+            model_type, kwargs["architectures"] = "mistral", ["MistralForCausalLM"]
+            kwargs["sliding_window"] = meta("attention.sliding_window")
+        elif "mistral" in str(gguf.get("general.name", "")).lower():
+            logger.info("%s: a Mistral GGUF without llama.attention.sliding_window: served "
+                        "with full attention (as llama.cpp does; Mistral 7B v0.1's "
+                        "checkpoint has a 4096-token window)", gguf.path.name)
     if arch == "gemma3":
         kwargs.update(_gemma3_config(gguf, kwargs))
+    if arch == "gemma2":
+        kwargs.update(_gemma2_config(gguf, kwargs))
+    if arch == "phi3":
+        kwargs.update(_phi3_config(gguf, kwargs))
     if arch == "qwen3moe":
         kwargs.update(
             num_experts=meta("expert_count"),
@@ -298,7 +329,7 @@ def config_from_gguf(gguf: GGUFFile):
             norm_topk_prob=True,  # llama.cpp always renormalises the top-k weights
         )
     scaling_type = meta("rope.scaling.type")
-    if scaling_type and scaling_type != "none" and arch != "gemma3":
+    if scaling_type and scaling_type != "none" and arch not in ("gemma3", "gemma2", "phi3"):
         kwargs["rope_scaling"] = {
             "rope_type": scaling_type,
             "factor": meta("rope.scaling.factor"),
@@ -336,9 +367,65 @@ def _gemma3_config(gguf: GGUFFile, kwargs: dict) -> dict:
         hidden_activation="gelu_pytorch_tanh")
 
 
+def _gemma2_config(gguf: GGUFFile, kwargs: dict) -> dict:
+    """Gemma 2's settings the way llama.cpp reads its GGUF: local and global layers
+    alternating (even layers local; `attention.sliding_window_pattern` if the file has
+    one), one RoPE base, the window (4096 when absent), both soft-caps, and the attention
+    scale 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (46 layers)."""
+    def meta(key: str, default=None):
+        return gguf.get(f"gemma2.{key}", default)
+
+    num_layers = kwargs["num_hidden_layers"]
+    pattern = meta("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # one flag per layer
+        local = [bool(flag) for flag in pattern]
+    else:  # every pattern-th layer global
+        local = [i % pattern < pattern - 1 for i in range(num_layers)]
+    hidden, heads = kwargs["hidden_size"], kwargs["num_attention_heads"]
+    return dict(
+        layer_types=["sliding_attention" if is_local else "full_attention" for is_local in local],
+        sliding_window=meta("attention.sliding_window", 4096),
+        query_pre_attn_scalar=hidden // heads if num_layers == 46 else kwargs["head_dim"],
+        attn_logit_softcapping=meta("attn_logit_softcapping"),
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+def _phi3_config(gguf: GGUFFile, kwargs: dict) -> dict:
+    """Phi-3's settings as llama.cpp's converter writes them: the rotary dimension
+    (`rope.dimension_count`: Phi-4-mini rotates 96 of 128), the sliding window (0: none),
+    and LongRoPE, whose factors are the `rope_factors_long` / `rope_factors_short` tensors
+    and whose cos/sin scale is `rope.scaling.attn_factor` (no `rope.scaling.type` key).
+
+    llama.cpp itself runs every Phi-3 with full attention (its SWA is switched off for
+    Phi); here the window applies, as transformers and our safetensors path apply it.
+    """
+    def meta(key: str, default=None):
+        return gguf.get(f"phi3.{key}", default)
+
+    head_dim = kwargs["head_dim"]
+    theta = kwargs.pop("rope_theta")
+    rotary_dim = meta("rope.dimension_count", head_dim)
+    original = meta("rope.scaling.original_context_length", kwargs["max_position_embeddings"])
+    rope: dict = {"rope_type": "default", "rope_theta": theta,
+                  "partial_rotary_factor": rotary_dim / head_dim}
+    if "rope_factors_long.weight" in gguf.tensors:
+        rope.update(
+            rope_type="longrope", original_max_position_embeddings=original,
+            long_factor=[float(f) for f in gguf.load("rope_factors_long.weight")],
+            short_factor=[float(f) for f in gguf.load("rope_factors_short.weight")])
+        attention_factor = meta("rope.scaling.attn_factor")
+        if attention_factor is not None:
+            rope["attention_factor"] = float(attention_factor)
+    return dict(rope_parameters=rope, partial_rotary_factor=rotary_dim / head_dim,
+                original_max_position_embeddings=original,
+                sliding_window=meta("attention.sliding_window") or None)
+
+
 def norm_offset(gguf: GGUFFile, gguf_name: str) -> float:
     """What llama.cpp added to this tensor (Gemma's norms hold 1 + w), to take back off."""
-    if gguf.get("general.architecture") == "gemma3" and gguf_name.endswith("norm.weight"):
+    if gguf.get("general.architecture") in ("gemma2", "gemma3") and \
+            gguf_name.endswith("norm.weight"):
         return 1.0
     return 0.0
 
@@ -353,7 +440,7 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     layer_names = {**_LAYER_NAMES,
                    **_ARCH_LAYER_NAMES.get(gguf.get("general.architecture"), {})}
     for name in gguf.tensors:
-        if name == "rope_freqs.weight":
+        if name in _SETTING_TENSORS:
             continue
         if name in _GLOBAL_NAMES:
             yield name, _GLOBAL_NAMES[name]

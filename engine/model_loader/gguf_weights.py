@@ -7,6 +7,8 @@
     blk.3.attn_norm.weight F32  ─ copy ─►   layers.3.input_layernorm.weight (dense)
     token_embd.weight    Q6_K   ─ mmap ─►   embed_tokens (rows decoded per lookup), and the
                                             tied lm_head's weight
+    blk.3.attn_qkv.weight Q5_K  ─ mmap ─►   layers.3.self_attn.qkv_proj whole (Phi-3's fused
+                                            tensors: rows already stacked q | k | v)
 
 Quantized tensors become packed weights (engine.models.gguf_weight) and never exist as
 dense floats: K-quants and the types without an exact int4/int8 form stay the file's
@@ -49,6 +51,7 @@ from engine.models.gguf_weight import (
     repack,
 )
 from engine.models.layers import Linear, MergedLinear, VocabEmbedding
+from engine.models.phi3 import split_fused_weights
 from engine.models.quant import QuantizedWeight
 from engine.models.weight_utils import load_named_weights, map_weight_name
 
@@ -115,7 +118,10 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool) -> GG
         embed = model.model.embed_tokens
         if embed.packed is not None:
             model.lm_head.set_packed(embed.packed)
-    load_named_weights(model, dense, skip_lm_head=getattr(model, "tie_word_embeddings", False))
+    # Dense fused tensors (Phi-3's, unquantized or with pack=False) go in as their q/k/v and
+    # gate/up pieces, so tensor parallelism can cut each piece like any checkpoint's.
+    load_named_weights(model, split_fused_weights(config, dense),
+                       skip_lm_head=getattr(model, "tie_word_embeddings", False))
     return report
 
 
@@ -156,6 +162,8 @@ def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport
 
 def _assemble(module: nn.Module, module_name: str, shards: dict[int | None, object]):
     """One packed weight for the module from its pieces (q, k, v / gate, up / whole)."""
+    if isinstance(module, MergedLinear) and list(shards) == [None]:
+        return shards[None]  # a fused tensor (Phi-3): check_tensors checked its rows
     expected = list(range(len(module.output_sizes))) if isinstance(module, MergedLinear) else [None]
     if sorted(shards, key=lambda s: -1 if s is None else s) != expected:
         raise ValueError(f"{module_name}: the GGUF file has pieces {sorted(map(str, shards))} "

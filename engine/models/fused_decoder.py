@@ -117,8 +117,8 @@ def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
     attn = layer.self_attn
     if attn.head_size * attn.num_heads != attn.qkv_proj.output_sizes[0]:
         return False
-    if attn.attn.sliding_window is not None:  # the stack attends to every key
-        return False
+    if attn.attn.sliding_window is not None or attn.attn.logit_softcap:
+        return False  # the stack attends to every key, with plain softmax scores
     eps = layer.input_layernorm.eps  # the stack uses one eps for every norm
     if (layer.post_attention_layernorm.eps != eps
             or (attn.q_norm is not None and not attn.q_norm.eps == attn.k_norm.eps == eps)):

@@ -1,5 +1,6 @@
 """Gemma 3 (text): `Gemma3ForCausalLM`, and the language model of
-`Gemma3ForConditionalGeneration` checkpoints (the vision tower is not loaded).
+`Gemma3ForConditionalGeneration` checkpoints (the vision tower is not loaded); and Gemma 2
+(`Gemma2ForCausalLM`), the same decoder without QK-norm and with soft-capped attention.
 
 Per token, each layer:
 
@@ -12,7 +13,8 @@ Per token, each layer:
   `sliding_window` with their own RoPE base (10k), global ones to everything (1M, and
   the checkpoint's scaling); the KV cache groups them (engine.kv_cache.groups);
 - logits soft-capped, cap * tanh(logits / cap), where the config sets
-  `final_logit_softcapping`. Attention soft-capping (Gemma 2) is not implemented.
+  `final_logit_softcapping`; attention scores likewise with `attn_logit_softcapping`
+  (Gemma 2: 50; the attention backends apply it, engine.attention.layer).
 
 As in the Llama decoder, each "+residual" is folded into the next norm: a layer returns
 its post-feedforward output and the residual stream.
@@ -43,13 +45,14 @@ def text_config_of(config: Any) -> Any:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int):
+    def __init__(self, config: Any, layer_idx: int, qk_norm: bool = True):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         self.self_attn = DecoderAttention(
             config, qkv_bias=bool(config.attention_bias), o_bias=bool(config.attention_bias),
-            qk_norm=True, sliding_window=layer_sliding_window(config, layer_idx),
-            scale=config.query_pre_attn_scalar**-0.5, norm_class=OffsetRMSNorm)
+            qk_norm=qk_norm, sliding_window=layer_sliding_window(config, layer_idx),
+            scale=config.query_pre_attn_scalar**-0.5, norm_class=OffsetRMSNorm,
+            logit_softcap=getattr(config, "attn_logit_softcapping", None))
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
                             hidden_act=config.hidden_activation)
         eps = config.rms_norm_eps
@@ -72,13 +75,13 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, qk_norm: bool = True):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = math.sqrt(config.hidden_size)
         self.rotary_local = RotaryEmbedding.from_config(config, config.head_dim, LOCAL)
         self.rotary_global = RotaryEmbedding.from_config(config, config.head_dim, GLOBAL)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, qk_norm)
                                     for i in range(config.num_hidden_layers))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,14 +100,13 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """The contract of `engine.models` (see there)."""
 
+    QK_NORM = True  # q and k RMS-normalised per head (Gemma 3; not Gemma 2)
+
     def __init__(self, config: Any):
         super().__init__()
         config = text_config_of(config)
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not "
-                             "supported")
         self.config = config
-        self.model = Gemma3Model(config)
+        self.model = Gemma3Model(config, qk_norm=self.QK_NORM)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tied = self.model.embed_tokens.weight if self.tie_word_embeddings else None
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, weight=tied)
@@ -125,6 +127,13 @@ class Gemma3ForCausalLM(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """A multimodal Gemma 3 checkpoint served as text: its language model only."""
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: local and global layers alternating (one RoPE base for both), no QK-norm,
+    attention and final logits soft-capped."""
+
+    QK_NORM = False
 
 
 # Where a multimodal checkpoint keeps the language model (transformers 5, then 4.5x).

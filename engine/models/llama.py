@@ -71,7 +71,7 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  sliding_window: int | None = None, scale: float | None = None,
-                 norm_class: type[RMSNorm] = RMSNorm):
+                 norm_class: type[RMSNorm] = RMSNorm, logit_softcap: float | None = None):
         super().__init__()
         tp = get_tp_group()
         total_heads = config.num_attention_heads
@@ -91,7 +91,8 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads,
-                              scale=scale or self.head_size**-0.5, sliding_window=sliding_window)
+                              scale=scale or self.head_size**-0.5, sliding_window=sliding_window,
+                              logit_softcap=logit_softcap)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         num_tokens = hidden_states.shape[0]

@@ -6,7 +6,11 @@ from typing import Any
 
 from torch import nn
 
-from engine.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from engine.models.gemma3 import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -14,6 +18,7 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -26,6 +26,8 @@ CASES = {
         partial_rotary_factor=0.75, sliding_window=36)),
     # Gemma 3: 5 local (window 20) : 1 global layers -> KV groups (1 full, 5 sliding).
     "gemma3": ("gemma3", dict(tie_word_embeddings=True)),
+    # Gemma 2: local (window 20) and global layers alternating, attention soft-capped.
+    "gemma2": ("gemma2", dict(tie_word_embeddings=True)),
 }
 
 
@@ -44,7 +46,9 @@ def test_family_matches_transformers_under_prefix_hits_chunks_and_preemption(fam
     # one-group model; Gemma's 6 groups need 21 + 5 windows (<= 7 blocks each), and 110
     # keep enough freed window blocks cached for the second run's prefix hits.
     # One sliding group (Mistral, Phi-3 here) holds a window per request: fewer blocks.
-    num_blocks = {"gemma3": 110, "mistral-window": 16}.get(model_dir.name[:-1], 24)
+    # Gemma 2 here: a sliding and a full group, of one layer each.
+    num_blocks = {"gemma3": 110, "gemma2": 36, "mistral-window": 16}.get(
+        model_dir.name[:-1], 24)
     llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
               num_gpu_blocks_override=num_blocks)
     assert_all_three_match(llm, shared, shared_ref)

@@ -11,6 +11,7 @@ a tied lm_head (511 rows over 2 ranks), and int4 linears quantized per shard.
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,7 +120,12 @@ CASES = {
     "llama-int4": ("llama", {}, "int4"),
     # 5 local (window 20) : 1 global layers: six KV groups, each rank its heads of each.
     "gemma3-sliding-window": ("gemma3", {"tie_word_embeddings": True}, "none"),
+    # A GGUF file as llama.cpp writes Phi-4-mini (fused qkv / gate_up, LongRoPE factors,
+    # a window): with TP each rank loads its rows of each fused piece. transformers reads
+    # the file without its factors and window, so TP=2 is compared with TP=1 only.
+    "phi3-gguf": ("gguf", {"file": "tiny-phi4-longrope-F32.gguf"}, "auto"),
 }
+GGUF_FIXTURES = Path(__file__).parents[1] / "data" / "gguf"
 # Gemma 3's six groups need more block ids for the same requests (an id is one layer's
 # block): 36 hold the longest request (7 full + 5 windows of <= 5) but not all six. In a
 # pool this small the blocks that slid out of the windows are evicted before the second
@@ -145,10 +151,18 @@ def run_engine(model_dir, quantization: str, tensor_parallel_size: int, prompts,
     return first, second, preemptions[0]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Long (two engines, each spawning ranks, over a GGUF conversion): with the extended tests.
+EXTENDED = {"phi3-gguf"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended)
+                                  if c in EXTENDED else c for c in CASES])
 def test_tp2_matches_tp1_and_transformers(case, tmp_path):
     arch, overrides, quantization = CASES[case]
-    model_dir = build_tiny_checkpoint(tmp_path / arch, arch, **overrides)
+    if arch == "gguf":
+        model_dir = GGUF_FIXTURES / overrides["file"]
+    else:
+        model_dir = build_tiny_checkpoint(tmp_path / arch, arch, **overrides)
     prompts = make_prompts()
     num_blocks = NUM_BLOCKS.get(case, 10)
     one = run_engine(model_dir, quantization, 1, prompts, num_blocks)
@@ -164,7 +178,7 @@ def test_tp2_matches_tp1_and_transformers(case, tmp_path):
             for lp_a, lp_b in zip(a.outputs[0].logprobs.logprobs,
                                   b.outputs[0].logprobs.logprobs, strict=True):
                 assert np.allclose(lp_a, lp_b, atol=1e-3), (lp_a, lp_b)
-    if quantization == "none":
+    if quantization == "none" and arch != "gguf":
         ref = hf_greedy_reference(model_dir, prompts, NUM_NEW_TOKENS, ignore_eos=True)
         for run in two[:2]:
             assert_greedy_matches([o.outputs[0].token_ids for o in run], ref)

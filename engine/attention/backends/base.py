@@ -40,8 +40,10 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Causal attention; with `sliding_window` W the query at position p sees only
         keys p - W + 1 .. p (W keys, as transformers' sliding-window mask), and the
         blocks before its window's first one are never read (a sliding-window KV group
-        may have freed them: engine.kv_cache.single_type)."""
+        may have freed them: engine.kv_cache.single_type). With `logit_softcap` c
+        (Gemma 2) each scaled score s becomes c * tanh(s / c) before the softmax."""

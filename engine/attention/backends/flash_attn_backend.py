@@ -18,7 +18,7 @@ class FlashAttentionBackend(AttentionBackend):
     cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logit_softcap: float | None = None):
         from flash_attn import flash_attn_varlen_func
 
         from kernels.reshape_and_cache import reshape_and_cache
@@ -26,11 +26,13 @@ class FlashAttentionBackend(AttentionBackend):
         num_tokens = metadata.num_actual_tokens
         # flash-attn's window counts the keys to the left besides the query's own.
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        # flash-attn >= 2.6 soft-caps scores itself; older versions lack the argument.
+        extra = {"softcap": logit_softcap} if logit_softcap else {}
         if kv_cache is None:  # profiling pass: plain varlen attention over the new tokens
             return flash_attn_varlen_func(
                 query, key, value, metadata.query_start_loc, metadata.query_start_loc,
                 metadata.max_query_len, metadata.max_query_len, softmax_scale=scale, causal=True,
-                window_size=window,
+                window_size=window, **extra,
             )
         reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache,
                           metadata.slot_mapping[:num_tokens])
@@ -41,5 +43,5 @@ class FlashAttentionBackend(AttentionBackend):
             metadata.query_start_loc, cu_seqlens_k,
             metadata.max_query_len, metadata.max_seq_len,
             softmax_scale=scale, causal=True, block_table=metadata.block_table,
-            window_size=window,
+            window_size=window, **extra,
         )

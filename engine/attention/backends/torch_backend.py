@@ -182,17 +182,19 @@ class TorchAttentionBackend(AttentionBackend):
         return (2, num_kv_heads, num_blocks, block_size, head_size)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logit_softcap: float | None = None):
         num_tokens = metadata.num_actual_tokens
         out = torch.empty_like(query)
+        scores = Scores(scale, logit_softcap)
         if kv_cache is None:  # profiling pass: every request is a fresh prefill
-            self._prefill_without_cache(query, key, value, metadata, scale, out, sliding_window)
+            self._prefill_without_cache(query, key, value, metadata, scores, out,
+                                        sliding_window)
             return out
         if key.shape[0] != num_tokens:  # padded beyond the real tokens
             key, value = key[:num_tokens], value[:num_tokens]
         write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens],
                           all_slots_valid=True)
-        if (self.kernel_fits(query.dtype, query.shape[-1], kv_cache)
+        if (self.kernel_fits(query.dtype, query.shape[-1], kv_cache) and not logit_softcap
                 and metadata.block_table.dtype == torch.int32):
             prefill_reqs = self._attend_with_kernel(query, kv_cache, metadata, scale, out,
                                                     sliding_window or 0)
@@ -202,10 +204,10 @@ class TorchAttentionBackend(AttentionBackend):
                 by_length = decode_reqs[np.argsort(metadata.seq_lens_np[decode_reqs],
                                                    kind="stable")]
                 for group in np.array_split(by_length, cdiv(len(by_length), DECODE_GROUP_SIZE)):
-                    self._decode(query, kv_cache, metadata, group, scale, out, sliding_window)
+                    self._decode(query, kv_cache, metadata, group, scores, out, sliding_window)
             prefill_reqs = metadata.prefill_reqs_np
         for req in prefill_reqs:
-            self._prefill(query, key, value, kv_cache, metadata, int(req), scale, out,
+            self._prefill(query, key, value, kv_cache, metadata, int(req), scores, out,
                           sliding_window)
         return out
 
@@ -254,8 +256,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows.token_idx] = result.to(out.dtype)
         return rows.sdpa_reqs
 
-    def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scale, out,
-                sliding_window: int | None = None) -> None:
+    def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scores: Scores,
+                out, sliding_window: int | None = None) -> None:
         """Single-token queries at once: [B, Hkv, group, D] against [B, Hkv, S, D].
 
         The query heads sharing a KV head act as that head's `group` query rows. A
@@ -278,12 +280,10 @@ class TorchAttentionBackend(AttentionBackend):
         if sliding_window is not None:
             mask &= positions[None, :] >= seq_lens[:, None] - sliding_window
         mask = mask.view(batch, 1, 1, max_len)
-        attn = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
-        )
+        attn = scores.attend(q, keys.to(q.dtype), values.to(q.dtype), mask)
         out[token_idx] = attn.reshape(batch, num_heads, head_size)
 
-    def _prefill(self, query, key, value, kv_cache, metadata, req: int, scale, out,
+    def _prefill(self, query, key, value, kv_cache, metadata, req: int, scores: Scores, out,
                  sliding_window: int | None = None) -> None:
         start, end = metadata.query_start_loc_np[req], metadata.query_start_loc_np[req + 1]
         seq_len = int(metadata.seq_lens_np[req])
@@ -303,20 +303,50 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache, metadata.block_table[req : req + 1, first_block:], seq_len - first_key,
                 self.scratch)  # the window mask needs only relative positions
             keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)
-        out[start:end] = _causal_attention(q, keys, values, scale, sliding_window)
+        out[start:end] = _causal_attention(q, keys, values, scores, sliding_window)
 
-    def _prefill_without_cache(self, query, key, value, metadata, scale, out,
+    def _prefill_without_cache(self, query, key, value, metadata, scores: Scores, out,
                                sliding_window: int | None = None) -> None:
         qsl = metadata.query_start_loc_np
         for req in range(metadata.num_reqs):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _causal_attention(
                 query[start:end], key[start:end].transpose(0, 1),
-                value[start:end].transpose(0, 1), scale, sliding_window,
+                value[start:end].transpose(0, 1), scores, sliding_window,
             )
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+@dataclass(frozen=True)
+class Scores:
+    """How scores q.k become attention weights: times `scale`, then (with a `softcap` c,
+    Gemma 2) c * tanh(s / c), then the masked softmax.
+
+    Without a cap this is SDPA (its fused CPU kernel); with one, SDPA has no place for
+    the tanh, so the scores are formed, capped and softmaxed here in float32.
+    """
+
+    scale: float
+    softcap: float | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        """SDPA's contract: q [..., L, D], k / v [..., S, D], a boolean `mask`
+        broadcastable to [..., L, S] (True: attend), or `is_causal`."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                  scale=self.scale)
+        # Few ops on few elements: each op's thread handoff costs more than its work here.
+        capped = torch.matmul(q.float() * (self.scale / self.softcap),
+                              k.float().transpose(-1, -2)).tanh_().mul_(self.softcap)
+        if is_causal:
+            length = capped.shape[-1]
+            mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            capped.masked_fill_(mask.logical_not(), float("-inf"))
+        return torch.matmul(torch.softmax(capped, dim=-1), v.float()).to(q.dtype)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores,
                       sliding_window: int | None = None):
     """q [L, Hq, D] are the LAST L positions of a head-major context k, v [Hkv, S, D]
     (a whole sequence, or its tail from some block on).
@@ -339,12 +369,12 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=0).unsqueeze(0)
     if query_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
-        result = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        result = scores.attend(qh, kh, vh, is_causal=True)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        result = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        result = scores.attend(qh, kh, vh, mask)
     return result[0].transpose(0, 1)

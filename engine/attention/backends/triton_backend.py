@@ -11,7 +11,7 @@ class TritonAttentionBackend(AttentionBackend):
     cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, logit_softcap: float | None = None):
         from kernels.paged_attention import paged_attention
         from kernels.reshape_and_cache import reshape_and_cache
 
@@ -19,11 +19,12 @@ class TritonAttentionBackend(AttentionBackend):
             from engine.attention.backends.torch_backend import TorchAttentionBackend
 
             return TorchAttentionBackend().forward(query, key, value, None, metadata, scale,
-                                                   sliding_window)
+                                                   sliding_window, logit_softcap)
         num_tokens = metadata.num_actual_tokens
         reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache,
                           metadata.slot_mapping[:num_tokens])
         return paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             scale, max_query_len=metadata.max_query_len, sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

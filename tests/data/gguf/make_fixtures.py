@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -56,8 +57,11 @@ MODELS = {
     "tiny-llama": ("llama", SHAPE),
     "tiny-qwen3": ("qwen3", {**SHAPE, "head_dim": 128}),
     "tiny-llama-i320": ("llama", {**SHAPE, "intermediate_size": 320}),
+    "tiny-phi3": ("phi3", SHAPE),
+    "tiny-phi4-longrope": ("phi3", "TINY_PHI4_LONGROPE"),  # tests/model_fixtures.py's
 }
-# output file stem -> (model, llama-quantize type); None: the converter's f16 output as is
+# output file stem -> (model, llama-quantize type); None: the converter's f16 output as is;
+# "F32": the converter's f32 output (compared with the source checkpoint, not quantized)
 FILES = {
     **{f"tiny-llama-{t}": ("tiny-llama", t) for t in (
         "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M",
@@ -65,6 +69,9 @@ FILES = {
     "tiny-qwen3-Q4_K_M": ("tiny-qwen3", "Q4_K_M"),
     "tiny-llama-i320-Q4_K_M": ("tiny-llama-i320", "Q4_K_M"),
     "tiny-llama-F16": ("tiny-llama", None),
+    "tiny-phi3-Q4_K_M": ("tiny-phi3", "Q4_K_M"),
+    "tiny-phi3-Q4_0": ("tiny-phi3", "Q4_0"),
+    "tiny-phi4-longrope-F32": ("tiny-phi4-longrope", "F32"),
 }
 MAX_FILE_BYTES = 1_600_000  # a fixture above this is skipped (tiny-llama-F16 is ~2.9 MB)
 SENTENCE = "Hello, world! The quick brown fox: 3.14159 <|im_end|>"
@@ -143,6 +150,14 @@ a multiple of 256 except where noted):
 * `tiny-llama-i320`: LlamaForCausalLM, head_dim 64, intermediate 320: the `ffn_down` rows
   (320) are not a multiple of 256, so llama-quantize falls back from its K-quant for those
   tensors (Q4_K -> Q5_0, Q6_K -> Q8_0).
+* `tiny-phi3`: Phi3ForCausalLM, head_dim 64, intermediate 512, no rope scaling, no window:
+  fused `attn_qkv` (512 x 256) and `ffn_up` (gate and up, 1024 x 256) tensors.
+* `tiny-phi4-longrope`: Phi3ForCausalLM shaped like Phi-4-mini (`TINY_PHI4_LONGROPE` in
+  tests/model_fixtures.py): hidden 128, head_dim 32 of which 24 rotate, LongRoPE (the
+  `rope_factors_long` / `_short` tensors), tied embeddings, a 24-token window; kept as F32
+  (its rows, 128, are too short for K-quants) and compared with the source checkpoint:
+  transformers reads neither the factors nor the window from a phi3 GGUF, hence its row
+  below.
 
 The tokenizer converts with pre-tokenizer `gpt-2` (the converter does not know its hash;
 it is GPT-2's byte-level split). Tensor types are as gguf-py's `GGUFReader` lists them;
@@ -185,6 +200,7 @@ def main() -> None:
             sys.exit(f"missing {needed}: run benchmarks/peers/setup_llamacpp.sh first")
 
     sys.path.insert(0, str(REPO))
+    import tests.model_fixtures
     from benchmarks.peers.llamacpp_convert import convert
     from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 
@@ -194,7 +210,13 @@ def main() -> None:
     for name, (arch, overrides) in MODELS.items():
         hf_dir = args.work / name
         shutil.rmtree(hf_dir, ignore_errors=True)
+        if isinstance(overrides, str):
+            overrides = getattr(tests.model_fixtures, overrides)
         build_tiny_checkpoint(hf_dir, arch, seed=0, **overrides)
+        if arch == "phi3":  # its converter reads a BPE vocabulary only for this class
+            config_file = hf_dir / "tokenizer_config.json"
+            config = json.loads(config_file.read_text())
+            config_file.write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
         f16[name] = convert(args.llama_cpp, hf_dir, args.work / f"{name}-F16.gguf")
 
     rows, mixed, stats = [], [], None
@@ -203,6 +225,8 @@ def main() -> None:
         out.unlink(missing_ok=True)
         if qtype is None:
             shutil.copyfile(f16[model], out)
+        elif qtype == "F32":
+            convert(args.llama_cpp, args.work / model, out, outtype="f32")
         else:
             quantize(args.quantize, f16[model], out, qtype)
         size = out.stat().st_size

@@ -13,11 +13,15 @@ import pytest
 from server.chat_output import ChoiceParser, ParsedDelta
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkTagReasoningStream
+from server.pythonic_calls import parse_pythonic_calls
+from server.reasoning import ThinkTagReasoningStream, make_reasoning_stream
 from server.tool_parsers import (
     HermesToolStream,
     Llama3JsonToolStream,
+    MistralToolStream,
     NamedToolStream,
+    Phi4MiniJsonToolStream,
+    PythonicToolStream,
     RequiredToolStream,
     merge_deltas,
 )
@@ -64,6 +68,41 @@ CASES = [
     (Llama3JsonToolStream, "Sunny, {probably}.", ("Sunny, {probably}.", [])),
     (Llama3JsonToolStream, '{"not": "a call"}', ('{"not": "a call"}', [])),
     (Llama3JsonToolStream, '{"name": "Ada", "age": 36}', ('{"name": "Ada", "age": 36}', [])),
+    # Mistral: content, then [TOOL_CALLS] and a JSON array (a "]" inside a string is no end)
+    (MistralToolStream, 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": '
+                        '{"city": "P]aris"}}, {"name": "get_time", "arguments": {}}]',
+     ("Checking. ", [("get_weather", '{"city": "P]aris"}'), ("get_time", "{}")])),
+    # ... or, with v11+ tokenizers, name[ARGS]{...} after each [TOOL_CALLS]
+    (MistralToolStream, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time'
+                        '[ARGS]{}', ("", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])),
+    (lambda: MistralToolStream(parallel=False),
+     '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
+     ("", [("a", "{}")])),
+    (MistralToolStream, "Plain [TOOL text, [1, 2].", ("Plain [TOOL text, [1, 2].", [])),
+    # A block that holds no call (cut by max_tokens, or not JSON) stays content.
+    (MistralToolStream, 'Hi[TOOL_CALLS][{"name": "a", "argu',
+     ('Hi[TOOL_CALLS][{"name": "a", "argu', [])),
+    (MistralToolStream, "[TOOL_CALLS] oops, not a call", ("[TOOL_CALLS] oops, not a call", [])),
+    # Phi-4-mini: <|tool_call|> JSON list <|/tool_call|>, content around it; functools[...]
+    (Phi4MiniJsonToolStream, 'Let me look.<|tool_call|>[{"name": "get_weather", "arguments": '
+                             '{"city": "Rome"}}]<|/tool_call|> Done.',
+     ("Let me look. Done.", [("get_weather", '{"city": "Rome"}')])),
+    (Phi4MiniJsonToolStream, 'functools[{"name": "get_time", "parameters": {"tz": "UTC"}}, '
+                             '{"type": "function", "function": {"name": "get_weather", '
+                             '"arguments": "{\\"city\\": \\"Rome\\"}"}}]',
+     ("", [("get_time", '{"tz": "UTC"}'), ("get_weather", '{"city": "Rome"}')])),
+    (Phi4MiniJsonToolStream, "Python's functools module: < | >", (
+        "Python's functools module: < | >", [])),
+    # Pythonic (Gemma 3): the whole output is a list of calls, possibly in a tool_code fence
+    (PythonicToolStream, '[get_weather(city="Paris", days=-2, metric=True), tools.now()]',
+     ("", [("get_weather", '{"city": "Paris", "days": -2, "metric": true}'),
+           ("tools.now", "{}")])),
+    (PythonicToolStream, '```tool_code\n[get_weather(city="Oslo", hours=[1, 2])]\n```',
+     ("", [("get_weather", '{"city": "Oslo", "hours": [1, 2]}')])),
+    (lambda: PythonicToolStream(parallel=False), "[a(x=1), b(y=null)]", ("", [("a", '{"x": 1}')])),
+    (PythonicToolStream, "[1] Paris is the capital.", ("[1] Paris is the capital.", [])),
+    (PythonicToolStream, "```python\nprint(1)\n```", ("```python\nprint(1)\n```", [])),
+    (PythonicToolStream, "Sunny in Paris.", ("Sunny in Paris.", [])),
 ]
 
 
@@ -72,6 +111,33 @@ def test_streamed_pieces_add_up_to_the_whole_parse(make, text, expected):
     assert whole(make, text) == expected
     for size in (1, 2, 3, 7, len(text)):
         assert streamed(make, text, size) == expected, size
+
+
+def test_mistral_call_ids_are_nine_alphanumerics():
+    """Mistral's chat templates refuse any other id when the call comes back."""
+    _, calls = MistralToolStream().parse_all('[TOOL_CALLS][{"name": "a", "arguments": {}}]')
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+
+
+@pytest.mark.parametrize("text", [
+    "[f(1)]",  # positional arguments
+    "[f(**kw)]",
+    "[f(x=g())]",  # a call as an argument: not a literal
+    "[f(x=a + 1)]",
+    "[(lambda: 1)()]",
+    "[]",
+    "f(x=1)",  # not a list
+    "[f(x=1)",  # cut short
+    "[f(x={1, 2})]",  # a set is no JSON value
+])
+def test_pythonic_refuses_what_is_not_a_list_of_literal_calls(text):
+    assert parse_pythonic_calls(text) is None
+
+
+def test_pythonic_reads_python_and_json_literals():
+    text = "[f(s='it\\'s', n=None, t=true, d={'k': [1.5, -3]}, u=(1, 2))]"
+    assert parse_pythonic_calls(text) == [
+        ("f", '{"s": "it\'s", "n": null, "t": true, "d": {"k": [1.5, -3]}, "u": [1, 2]}')]
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -89,6 +155,12 @@ def test_reasoning_split(text, expected):
             reasoning, content = reasoning + r, content + c
         r, c = stream.finish()
         assert (reasoning + r, content + c) == expected
+
+
+def test_mistral_reasoning_split():
+    stream = make_reasoning_stream("mistral")
+    assert stream.parse_all("[THINK]Hmm.[/THINK]Paris.") == ("Hmm.", "Paris.")
+    assert make_reasoning_stream("mistral").parse_all("Paris <think>") == ("", "Paris <think>")
 
 
 def test_reasoning_and_tools_together_and_the_wire_format():
