@@ -1,0 +1,66 @@
+"""The blocked int4 kernel's AVX2 and portable builds, on any x86 machine.
+
+The server builds kernels/cpu/ with -march=native, so one machine runs one of the three
+versions of kernels/cpu/int4_blocked.cpp (AVX-512, AVX2, portable). Here the file is also
+built for AVX2 only and for no SIMD at all and checked against the reference, bitwise
+batch invariance and the tiled path's block decoder included. Two extra compiles (~1 min
+each): extended.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.quant import QuantSpec, quantize, unpack_int4
+from kernels.reference import quant_linear_ref
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
+BINDING = r"""
+#include <torch/extension.h>
+at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
+void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst);
+at::Tensor decode_all(at::Tensor packed, at::Tensor scales, at::Tensor mins) {
+  const int64_t blocks = packed.size(0), cols = packed.size(1) * 32;
+  at::Tensor out = at::empty({blocks * 16, cols}, at::kFloat);
+  for (int64_t b = 0; b < blocks; ++b)
+    decode_blocked_int4(packed, scales, mins, b, out.data_ptr<float>() + b * 16 * cols);
+  return out;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &blocked_int4_linear);
+  m.def("decode_all", &decode_all);
+}
+"""
+FLAGS = {"avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O2", "-mno-avx"]}
+
+
+@pytest.mark.extended
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize("isa", sorted(FLAGS))
+def test_blocked_int4_builds_match_the_reference(isa, tmp_path):
+    from torch.utils.cpp_extension import load
+
+    binding = tmp_path / "binding.cpp"
+    binding.write_text(BINDING)
+    ext = load(name=f"pagedserve_int4_blocked_{isa}",
+               sources=[str(binding), str(KERNELS / "int4_blocked.cpp")],
+               extra_cflags=FLAGS[isa] + ["-fopenmp"], extra_include_paths=[str(KERNELS)],
+               build_directory=str(tmp_path))
+    torch.manual_seed(0)
+    for symmetric in (False, True):
+        w = quantize(torch.randn(48, 320) * 0.1, QuantSpec("int4", symmetric), max_rows=64)
+        data, scales, mins = w.canonical()
+        for rows in (1, 5, 8, 13):
+            x = torch.randn(rows, 320)
+            out = ext.linear(x, w.data, w.scales, w.mins)
+            expected = quant_linear_ref(x, unpack_int4(data), scales, mins)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+            for m in range(rows):
+                assert torch.equal(ext.linear(x[m:m + 1], w.data, w.scales, w.mins)[0], out[m])
+        torch.testing.assert_close(ext.decode_all(w.data, w.scales, w.mins), w.dequantized(),
+                                   atol=1e-6, rtol=1e-6)
