@@ -90,6 +90,9 @@ class SpeculativeConfig:
     tokens that the model verifies in the same forward pass. `ngram` looks the request's
     last `prompt_lookup_max`..`prompt_lookup_min` tokens up earlier in its own tokens;
     `suffix` also looks in this server's recent outputs.
+    With `adaptive_draft_length` a request's drafts are at most `num_speculative_tokens`
+    long and follow its acceptance: a fully accepted draft doubles the next one's length,
+    a draft rejected at position a makes the next one a + 1 long.
     Back-off: no proposals while more than `disable_by_batch_size` requests run (a wide
     step is compute-bound: verifying costs more than it saves), and a request whose
     acceptance rate falls below `min_acceptance_rate` (after `backoff_min_draft_tokens`
@@ -100,7 +103,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 4
+    adaptive_draft_length: bool = True
     min_acceptance_rate: float = 0.2
     backoff_min_draft_tokens: int = 16
     backoff_tokens: int = 64

@@ -236,11 +236,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
            "the engine's own work (scheduling, outputs) overlaps the model instead of adding "
            "to it.", default=False)
     flag("--speculative-config", "Speculative decoding, as vLLM spells it: JSON such as "
-         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 7, \"prompt_lookup_min\": 2, "
          "\"prompt_lookup_max\": 5}'. Methods: ngram (prompt lookup), suffix (also this "
          "server's recent outputs). Extra keys: disable_by_batch_size (no drafts while more "
-         "requests run; default 8), min_acceptance_rate, backoff_tokens. Turns "
-         "--async-scheduling off. Default: off.", type=_speculative_config)
+         "requests run; default 4), adaptive_draft_length (default true), "
+         "min_acceptance_rate, backoff_tokens. With --async-scheduling, steps that may "
+         "carry drafts run one at a time. Default: off.", type=_speculative_config)
     switch("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
            "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
            "--max-num-seqs.", default=False)

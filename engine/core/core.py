@@ -15,6 +15,11 @@ placeholder (Request.num_output_placeholders) and N+1 may already compute that
 position, because the runner executes steps in order and has N's token by then.
 A request that N finishes (EOS, stop token) computes one extra token in N+1, which
 is never reported.
+
+Speculative decoding needs each request's last token to look its draft up, so while
+the scheduler `may_draft()` (few requests run and one of them may speculate) the core
+applies the steps in flight and then runs steps one at a time, as without async
+scheduling; with many requests running nobody drafts and steps overlap again.
 """
 
 from __future__ import annotations
@@ -76,11 +81,6 @@ class EngineCore:
         scheduler_config = replace(
             config.scheduler_config, max_model_len=self.kv_cache_info.max_model_len
         )
-        if config.speculative_config is not None and scheduler_config.async_scheduling:
-            # A draft is looked up from the request's last token, which async scheduling
-            # does not know yet when it schedules the next step.
-            logger.warning("speculative decoding turns async scheduling off")
-            scheduler_config = replace(scheduler_config, async_scheduling=False)
         cache_config = replace(config.cache_config, block_size=self.kv_cache_info.block_size)
         self.structured_output = StructuredOutputManager(
             functools.partial(_load_tokenizer, config.model_config.model),
@@ -110,20 +110,34 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step. A failing model step fails only its own requests."""
-        if self._worker is not None:
-            return self._step_async()
+        if self._worker is None:
+            return self._step_sync(self.executor.execute_model)
+        if self.scheduler.speculator is not None:
+            # Drafts need the last tokens: no step is scheduled behind one that may
+            # draft or that carries drafts (its rejected drafts roll back when applied).
+            may_draft = self.scheduler.may_draft()
+            if self._in_flight and (may_draft or any(
+                    s.scheduler_output.scheduled_spec_decode_tokens for s in self._in_flight)):
+                return self._apply_oldest()
+            if may_draft:
+                return self._step_sync(lambda output: self._submit(output, None).result())
+        return self._step_async()
+
+    def _step_sync(self, execute_model: Callable[[SchedulerOutput], ModelRunnerOutput]
+                   ) -> EngineCoreOutputs:
+        """Schedule, run and apply one step (`execute_model` runs it and returns)."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.xray.note_scheduled(scheduler_output)
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 # Nothing to compute, but the runner must still forget finished requests.
-                self.executor.execute_model(scheduler_output)
+                execute_model(scheduler_output)
             return self.idle_outputs()
         self.num_steps += 1
         try:
             self._fault_injector.check(self.num_steps)
-            runner_output = self.executor.execute_model(scheduler_output)
+            runner_output = execute_model(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step %d failed; failing its requests", self.num_steps)
             return self._fail_step(scheduler_output, f"{type(exc).__name__}: {exc}")
@@ -158,6 +172,10 @@ class EngineCore:
             self._submit(scheduler_output, None)  # the runner forgets them, in step order
         if started_pipeline or not self._in_flight:
             return self.idle_outputs()
+        return self._apply_oldest()
+
+    def _apply_oldest(self) -> EngineCoreOutputs:
+        """Wait for the oldest step in flight and apply it."""
         step = self._in_flight.popleft()
         try:
             runner_output = step.result.result()

@@ -95,7 +95,8 @@ class Scheduler:
         self._constrained_req_ids: set[str] = set()
         self._grammar_failures: list[EngineCoreOutput] = []
         # Speculative decoding (None: off, and the step loop never looks at drafts).
-        # Async scheduling is off with it (EngineCore): drafts need the last token.
+        # A draft needs the request's last token: with async scheduling the core runs
+        # a step synchronously whenever `may_draft()` (EngineCore.step).
         self.speculator = Speculator(speculative_config) if speculative_config else None
         self.spec_max_running = (speculative_config.disable_by_batch_size
                                  if speculative_config else 0)
@@ -207,6 +208,15 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting) + len(self.waiting_for_grammar)
 
+    def may_draft(self) -> bool:
+        """Whether the next schedule() may give some running request drafts: few enough
+        run (`disable_by_batch_size`) and one of them may speculate. Async scheduling
+        then waits for the steps in flight (a request with a token still to come, a
+        placeholder, is never given drafts)."""
+        speculator = self.speculator
+        return (speculator is not None and 0 < len(self.running) <= self.spec_max_running
+                and any(speculator.may_propose(r) for r in self.running))
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         if self.waiting_for_grammar:
@@ -246,7 +256,7 @@ class Scheduler:
                 index += 1
                 continue
             drafts = None
-            if (speculator is not None and num_new_tokens == 1
+            if (speculator is not None and num_new_tokens == 1 and not num_placeholders
                     and num_computed == len(request.all_token_ids) - 1):
                 # A decode: room for drafts within the budget, the model length, and
                 # max_tokens (the bonus token counts: k drafts emit up to k + 1).

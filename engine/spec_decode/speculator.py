@@ -39,9 +39,9 @@ class _RequestSpec:
     """One request's token copy (numpy, for the lookups) and acceptance counts."""
 
     __slots__ = ("tokens", "num_tokens", "eligible", "num_draft_tokens", "num_accepted_tokens",
-                 "window_draft_tokens", "window_accepted_tokens", "paused_until")
+                 "window_draft_tokens", "window_accepted_tokens", "paused_until", "draft_len")
 
-    def __init__(self, eligible: bool):
+    def __init__(self, eligible: bool, draft_len: int):
         self.tokens = np.zeros(256, dtype=np.int64)
         self.num_tokens = 0
         self.eligible = eligible
@@ -50,6 +50,7 @@ class _RequestSpec:
         self.window_draft_tokens = 0  # since the last back-off decision
         self.window_accepted_tokens = 0
         self.paused_until = 0  # no drafts while the request has fewer tokens than this
+        self.draft_len = draft_len  # the longest draft its next step may carry
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
         """Append the tokens added since the last call; the request's tokens as numpy."""
@@ -99,8 +100,8 @@ class Speculator:
         state = self._states.get(request.req_id)
         if state is None:
             state = self._states[request.req_id] = _RequestSpec(
-                may_speculate(request.sampling_params))
-        num_drafts = min(self.num_speculative_tokens, max_drafts)
+                may_speculate(request.sampling_params), self.num_speculative_tokens)
+        num_drafts = min(state.draft_len, max_drafts)
         token_ids = request.all_token_ids
         if (not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until
                 or request.num_output_tokens < request.sampling_params.min_tokens):
@@ -114,6 +115,14 @@ class Speculator:
             if len(other) > len(draft):
                 draft = other
         return draft.tolist()
+
+    def may_propose(self, request: Request) -> bool:
+        """Whether `propose` could return drafts for `request` at its next decode step
+        (it is eligible and not paused; the lookup itself may still find nothing)."""
+        state = self._states.get(request.req_id)
+        if state is None:
+            return may_speculate(request.sampling_params)
+        return state.eligible and len(request.all_token_ids) >= state.paused_until
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int, num_tokens: int) -> None:
         """A draft of `num_drafts` tokens was verified; `num_accepted` of them matched.
@@ -133,6 +142,13 @@ class Speculator:
         state.window_draft_tokens += num_drafts
         state.window_accepted_tokens += num_accepted
         config = self.config
+        if config.adaptive_draft_length:
+            # All accepted: twice as long next time (up to k); a rejection at position a:
+            # a + 1 (the next draft is as long as this one's right part, plus one).
+            # Worked example, k 8: drafts of 8 -> rejected at 2 -> 3 -> all accepted -> 6
+            # -> all accepted -> 8.
+            state.draft_len = (min(self.num_speculative_tokens, 2 * state.draft_len)
+                               if num_accepted == num_drafts else num_accepted + 1)
         if state.window_draft_tokens >= config.backoff_min_draft_tokens:
             rate = state.window_accepted_tokens / state.window_draft_tokens
             if rate < config.min_acceptance_rate:

@@ -164,12 +164,13 @@ def test_sampled_requests_verify_their_drafts(model_dir, prompts, plain):
     _, reference = plain
     # A seeded request's tokens depend on its seed and on the drafts it verified in
     # which steps; HARD's budget and preemptions would change those between two runs.
-    llm = LLM(model_dir, speculative_config=SPEC, dtype="float32", max_model_len=512)
+    llm = LLM(model_dir, speculative_config={**SPEC, "disable_by_batch_size": 6},
+              dtype="float32", max_model_len=512)
     use_oracle(llm, reference)
     counts = SpecCounts(llm)
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, ignore_eos=True,
                             n=2, seed=11, logprobs=1)
-    first = llm.generate(prompts[:3], params, use_tqdm=False)  # 6 <= disable_by_batch_size
+    first = llm.generate(prompts[:3], params, use_tqdm=False)  # 6 requests
     second = llm.generate(prompts[:3], params, use_tqdm=False)
     for a, b in zip(first, second, strict=True):
         for sa, sb in zip(a.outputs, b.outputs, strict=True):
@@ -207,14 +208,36 @@ def test_abort_mid_verification_frees_every_block(model_dir, prompts, plain):
     assert core.executor.runner.requests == {}
 
 
-def test_async_scheduling_is_turned_off(model_dir, prompts, plain):
+def test_async_scheduling_overlaps_steps_until_a_request_may_draft(model_dir, prompts, plain):
+    """Async scheduling stays on: while more than disable_by_batch_size (2) requests run,
+    steps are scheduled behind the one in flight; once few run, drafts need the last
+    token, so a step that may carry drafts is scheduled with nothing in flight. Greedy
+    tokens stay the plain run's, under preemption and chunked prefill, and no block leaks."""
     _, reference = plain
-    llm = LLM(model_dir, speculative_config=SPEC, async_scheduling=True, **HARD)
-    assert llm.engine_core._worker is None
+    llm = LLM(model_dir, speculative_config={**SPEC, "disable_by_batch_size": 2},
+              async_scheduling=True, **HARD)
+    core = llm.engine_core
+    assert core._worker is not None
     use_oracle(llm, reference)
-    outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [
-        reference[tuple(p)].token_ids[:32] for p in prompts[:2]]
+    counts, preemptions = SpecCounts(llm), count_preemptions(llm)
+    schedule, scheduled = core.scheduler.schedule, []
+
+    def schedule_noting_steps_in_flight():
+        output = schedule()
+        if not output.is_empty:
+            scheduled.append((len(core._in_flight), bool(output.scheduled_spec_decode_tokens)))
+        return output
+
+    core.scheduler.schedule = schedule_noting_steps_in_flight
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference[tuple(prompt)].token_ids[:32]
+    assert any(in_flight for in_flight, _ in scheduled)  # overlapped while many ran
+    assert not any(in_flight and drafts for in_flight, drafts in scheduled)
+    assert 0 < counts.accepted < counts.draft_tokens
+    assert preemptions[0] > 0
+    assert not core._in_flight
+    assert_all_blocks_free(llm)
 
 
 # ------------------------------------------------------------------ the default model

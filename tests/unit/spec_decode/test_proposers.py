@@ -88,7 +88,7 @@ class _Request:
 def test_speculator_backs_off_after_low_acceptance_then_retries():
     speculator = Speculator(SpeculativeConfig(
         num_speculative_tokens=4, backoff_min_draft_tokens=8, backoff_tokens=10,
-        min_acceptance_rate=0.5))
+        min_acceptance_rate=0.5, adaptive_draft_length=False))
     request = _Request("a", [1, 2, 3, 1, 2, 3, 1, 2])
     assert speculator.propose(request, 8) == [3, 1, 2]  # the text ends after 3 tokens
     speculator.record("a", 3, 0, 9)
@@ -102,6 +102,25 @@ def test_speculator_backs_off_after_low_acceptance_then_retries():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 8, 1)
     assert stats.num_accepted_tokens_per_pos == [1, 0, 0, 0]  # per position up to k
     assert speculator.take_stats().num_drafts == 0
+
+
+def test_adaptive_draft_length_follows_acceptance():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=8))
+    request = _Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])
+    assert speculator.propose(request, 16) == [3, 4, 5, 6, 7, 8, 9, 10]  # k to start
+    speculator.record("a", 8, 2, 17)  # rejected at position 2: next time 3
+    assert speculator.propose(request, 16) == [3, 4, 5]
+    speculator.record("a", 3, 3, 21)  # all accepted: twice as long
+    assert speculator.propose(request, 16) == [3, 4, 5, 6, 7, 8]
+    speculator.record("a", 6, 6, 28)
+    assert speculator.propose(request, 16) == [3, 4, 5, 6, 7, 8, 9, 10]  # at most k
+    assert speculator.propose(request, 2) == [3, 4]  # and at most what the step allows
+    speculator.record("a", 8, 0, 29)
+    assert speculator.propose(request, 16) == [3]  # never below one
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=8, adaptive_draft_length=False))
+    fixed.propose(request, 16)
+    fixed.record("a", 8, 0, 29)
+    assert len(fixed.propose(request, 16)) == 8
 
 
 def test_speculator_respects_limits_and_sampling_rules():

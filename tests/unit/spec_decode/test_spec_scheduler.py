@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.outputs import ModelRunnerOutput
-from engine.request import EngineCoreRequest, Request
+from engine.request import EngineCoreRequest, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched import Scheduler, SchedulerOutput
 from tests.support.scheduler import BLOCK_SIZE, EOS, assert_all_blocks_free
@@ -142,6 +142,27 @@ def test_no_drafts_in_a_wide_batch():
     scheduler.finish_requests(["r0"], scheduler.requests["r0"].status.FINISHED_ABORTED)
     out, _ = step(scheduler)
     assert set(out.scheduled_spec_decode_tokens) == {"r1", "r2"}
+
+
+def test_may_draft_says_when_a_step_may_carry_drafts():
+    """What async scheduling asks before scheduling behind a step in flight."""
+    scheduler = make_spec_scheduler(disable_by_batch_size=2)
+    assert not scheduler.may_draft()  # nothing runs
+    add(scheduler, "r0", CYCLE * 2)
+    add(scheduler, "r1", CYCLE * 2, repetition_penalty=1.2)  # never drafts
+    step(scheduler)
+    assert scheduler.may_draft()
+    out, _ = step(scheduler)
+    assert set(out.scheduled_spec_decode_tokens) == {"r0"}
+    add(scheduler, "r2", CYCLE * 2)
+    step(scheduler)  # r2's prefill: 3 running
+    assert not scheduler.may_draft()
+    out, _ = step(scheduler)
+    assert out.scheduled_spec_decode_tokens == {}
+    scheduler.finish_requests(["r0", "r2"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.may_draft()  # r1 alone: penalised
+    out, _ = step(scheduler)
+    assert out.scheduled_spec_decode_tokens == {}
 
 
 def test_preempting_a_speculating_request_frees_everything():
