@@ -34,6 +34,7 @@ from engine.models.quant import (
     QuantizedWeight,
     QuantSpec,
     default_max_rows,
+    kernel_kind,
 )
 
 T = GGMLQuantizationType
@@ -135,7 +136,7 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
-    max_rows = default_max_rows(spec.method) if max_rows is None else max_rows
+    max_rows = default_max_rows(kernel_kind(spec, n)) if max_rows is None else max_rows
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:

@@ -46,8 +46,9 @@ KERNEL_CALLS: Counter[str] = Counter()
 
 def default_max_rows(kind: str = "int4") -> int:
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
-    (decoded tiles and one matmul) on this CPU; `kind` "int4", "int8" or "gguf" (the
-    K-quant kernels of kernels/cpu/gguf_linear.cpp).
+    (decoded tiles and one matmul) on this CPU; `kind` "int4" (row-major), "int4-blocked"
+    (blocks of 16 output rows), "int8" or "gguf" (the K-quant kernels of
+    kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind.
 
     `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: always the tiled path). Measured with
     `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with native bf16
@@ -58,7 +59,7 @@ def default_max_rows(kind: str = "int4") -> int:
     override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
     if override:
         return int(override)
-    if kind == "int4" and cpu_info.vector_isa() == "avx512":
+    if kind == "int4-blocked" and cpu_info.vector_isa() == "avx512":
         # Blocked int4 (kernels/cpu/int4_blocked.cpp), bfloat16 tiles, ms per layer
         # few-row / tiled: 8 rows 6.0 / 47, 32: 25.9 / 51.8, 64: 37.2 / 59.6.
         return 64
@@ -70,6 +71,13 @@ def default_max_rows(kind: str = "int4") -> int:
     # Q6_K 8: 13.1 / 14.2; int4 8: 15.1 / 19.7, 16: 28.2 / 18.3; int8 8: 13.0 / 18.5,
     # 16: 27.9 / 17.1.
     return 8 if kind == "gguf" else 12
+
+
+def kernel_kind(spec: QuantSpec, out_features: int) -> str:
+    """The `default_max_rows` kind of a weight of `spec` with `out_features` outputs."""
+    if spec.method == "int4" and out_features % BLOCK_ROWS == 0:
+        return "int4-blocked"
+    return spec.method
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
     n, k = weight.shape
     if not can_quantize(n, k):
         raise ValueError(f"cannot quantize a [{n}, {k}] weight: K must be a multiple of 32")
-    max_rows = default_max_rows(spec.method) if max_rows is None else max_rows
+    max_rows = default_max_rows(kernel_kind(spec, n)) if max_rows is None else max_rows
     w = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
     if spec.method == "int8":
         # Worked example, a group [0.5, -1.27, 0.1, ...]: scale = 1.27 / 127 = 0.01,
