@@ -260,10 +260,11 @@ class HermesToolStream(ToolStream):
         return "", deltas
 
 
-class Llama3JsonToolStream(ToolStream):
-    """A whole output of JSON call objects ({"name", "parameters"}; ';'-separated)."""
+class WholeOutputCallsStream(ToolStream):
+    """An output that is either tool calls from its first character (it starts with one of
+    OPENERS) or content; calls are parsed by `finish`, when the whole output is there."""
 
-    PYTHON_TAG = "<|python_tag|>"
+    OPENERS: tuple[str, ...] = ()
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
@@ -275,16 +276,23 @@ class Llama3JsonToolStream(ToolStream):
             return text, []
         self.buffer += text
         head = self.buffer.lstrip()
-        if not head:
+        if self.mode == "calls" or not head:
             return "", []
-        if head.startswith("{") or head.startswith(self.PYTHON_TAG):
-            self.mode = "calls"  # decided at the end, when the whole JSON is there
+        if head.startswith(self.OPENERS):
+            self.mode = "calls"
             return "", []
-        if self.PYTHON_TAG.startswith(head):
-            return "", []  # maybe the tag, still arriving
+        if any(opener.startswith(head) for opener in self.OPENERS):
+            return "", []  # maybe an opener, still arriving
         self.mode = "content"
         content, self.buffer = self.buffer, ""
         return content, []
+
+
+class Llama3JsonToolStream(WholeOutputCallsStream):
+    """A whole output of JSON call objects ({"name", "parameters"}; ';'-separated)."""
+
+    PYTHON_TAG = "<|python_tag|>"
+    OPENERS = ("{", PYTHON_TAG)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         text, self.buffer = self.buffer, ""
@@ -456,32 +464,12 @@ class Phi4MiniJsonToolStream(MarkedJsonCallsStream):
     END = "<|/tool_call|>"
 
 
-class PythonicToolStream(ToolStream):
+class PythonicToolStream(WholeOutputCallsStream):
     """A whole output that is a Python list of calls (server/pythonic_calls.py), possibly
     in a ```tool_code fence; decided at the end. Anything else is content."""
 
     FENCE = "```tool_code"
-
-    def __init__(self, parallel: bool = True):
-        self.parallel = parallel
-        self.buffer = ""
-        self.mode: str | None = None  # None: undecided, "content", "calls"
-
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        if self.mode == "content":
-            return text, []
-        self.buffer += text
-        head = self.buffer.lstrip()
-        if self.mode == "calls" or not head:
-            return "", []
-        if head.startswith("[") or head.startswith(self.FENCE):
-            self.mode = "calls"  # parsed at the end, when the whole list is there
-            return "", []
-        if self.FENCE.startswith(head):
-            return "", []  # maybe the fence, still arriving
-        self.mode = "content"
-        content, self.buffer = self.buffer, ""
-        return content, []
+    OPENERS = ("[", FENCE)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         text, self.buffer = self.buffer, ""
