@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "group32_activations.h"
 #include "spin_pool.h"
 
 #if defined(__AVX2__)
@@ -44,38 +45,9 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32, kLanes = 16, kBlockBytesPerGroup = 256;
+using namespace pagedserve::group32;  // kGroup, half_to_float, halves, quantize_activations
 
-struct RoundedRows {  // x [M, K] -> int16 per group of 32 with scale dx and dx * sum(xq)
-  std::vector<int16_t> q;
-  std::vector<float> scale, scaled_sum;
-};
-
-RoundedRows round_rows(const float* x, int64_t rows, int64_t cols) {
-  const int64_t groups = cols / kGroup;
-  RoundedRows a;
-  a.q.resize(rows * cols);
-  a.scale.resize(rows * groups);
-  a.scaled_sum.resize(rows * groups);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = x + m * cols + g * kGroup;
-      float amax = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
-      const float scale = amax / 32767.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int16_t v = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
-        a.q[m * cols + g * kGroup + k] = v;
-        sum += v;
-      }
-      a.scale[m * groups + g] = scale;
-      a.scaled_sum[m * groups + g] = scale * static_cast<float>(sum);
-    }
-  return a;
-}
-
-inline float to_float(const c10::Half& h) { return static_cast<float>(h); }
+constexpr int64_t kLanes = 16, kBlockBytesPerGroup = 256;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 inline __m512i pair_dot(__m512i acc, __m512i w, int32_t x_pair) {
@@ -89,7 +61,7 @@ inline __m512i pair_dot(__m512i acc, __m512i w, int32_t x_pair) {
 // out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes.
 template <int R>
 void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
-                int64_t groups, const RoundedRows& a, int64_t cols, int64_t m0, float* out,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m512 acc[R];
@@ -104,7 +76,7 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
       const __m512i w23 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
       for (int r = 0; r < R; ++r) {
         const int32_t* pairs =
-            reinterpret_cast<const int32_t*>(a.q.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
         dot[r] = pair_dot(pair_dot(dot[r], w01, pairs[0]), w23, pairs[1]);
       }
     }
@@ -115,8 +87,8 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
-                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[at])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.scaled_sum[at]), acc[r]);
+                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[at]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * out_stride, acc[r]);
@@ -125,7 +97,7 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
 // The same on 256-bit vectors: lanes 0-7 and 8-15 of the block in two registers.
 template <int R>
 void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
-                int64_t groups, const RoundedRows& a, int64_t cols, int64_t m0, float* out,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
@@ -145,7 +117,7 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
            _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1))}};
       for (int r = 0; r < R; ++r) {
         const int32_t* pairs =
-            reinterpret_cast<const int32_t*>(a.q.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
         const __m256i x01 = _mm256_set1_epi32(pairs[0]), x23 = _mm256_set1_epi32(pairs[1]);
         for (int h = 0; h < 2; ++h)
           dot[r][h] = _mm256_add_epi32(
@@ -161,8 +133,8 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * groups + g;
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
-                                    _mm256_mul_ps(scale, _mm256_set1_ps(a.scale[at])), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.scaled_sum[at]), acc[r][h]);
+                                    _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[at]), acc[r][h]);
       }
     }
   }
@@ -172,7 +144,7 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
 #else
 template <int R>
 void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
-                int64_t groups, const RoundedRows& a, int64_t cols, int64_t m0, float* out,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kLanes; ++j) {
@@ -181,23 +153,20 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
         int32_t dot = 0;
         for (int t = 0; t < 8; ++t) {
           const uint8_t* b = block + g * kBlockBytesPerGroup + 32 * t + 2 * j;
-          const int16_t* x = a.q.data() + (m0 + r) * cols + g * kGroup + 4 * t;
+          const int16_t* x = a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t;
           dot += (b[0] & 15) * x[0] + (b[1] & 15) * x[1] + (b[0] >> 4) * x[2] + (b[1] >> 4) * x[3];
         }
         const int64_t at = (m0 + r) * groups + g;
-        const float s = to_float(c10::Half(scales[g * kLanes + j], c10::Half::from_bits()));
-        const float mn = to_float(c10::Half(mins[g * kLanes + j], c10::Half::from_bits()));
-        acc = std::fma(static_cast<float>(dot), s * a.scale[at], acc);
-        acc = std::fma(mn, a.scaled_sum[at], acc);
+        const float s = half_to_float(scales[g * kLanes + j]);
+        const float mn = half_to_float(mins[g * kLanes + j]);
+        acc = std::fma(static_cast<float>(dot), s * a.scales[at], acc);
+        acc = std::fma(mn, a.sums[at], acc);
       }
       out[(m0 + r) * out_stride + j] = acc;
     }
 }
 #endif
 
-const uint16_t* half_bits(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
-}
 
 }  // namespace
 
@@ -217,12 +186,13 @@ at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scale
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
   const int64_t rows = x.size(0), num_out = blocks * kLanes;
-  const RoundedRows a = round_rows(x.data_ptr<float>(), rows, cols);
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, cols,
+                                                      /*pairs=*/false, /*transposed=*/false);
   at::Tensor out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const uint16_t* s = half_bits(scales);
-  const uint16_t* mn = half_bits(mins);
+  const uint16_t* s = halves(scales);
+  const uint16_t* mn = halves(mins);
   pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = w + b * groups * kBlockBytesPerGroup;
