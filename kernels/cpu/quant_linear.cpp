@@ -243,67 +243,6 @@ inline void dot_8rows(const uint8_t* wrow, const uint16_t* srow, const uint16_t*
   _mm256_store_ps(lanes, _mm256_add_ps(acc, acc_min));
   for (int r = 0; r < 8; ++r) out[(m0 + r) * out_stride] = lanes[r];
 }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// dot_8rows on 512-bit vectors: one group's 32 weights are one register of 32 int16, so a
-// row's integer dot of a group is one multiply-add (vpdpwssd with AVX512-VNNI, else
-// madd) into 16 int32 lanes, turned to float and accumulated with that row's scale
-// scales[n, g] * dx[m, g] (broadcast from an 8-float table built per group), lane by
-// lane: no reduction across lanes until the row's end. Per group and 8 rows: one weight
-// decode, 8 x (dot, convert, FMA), against dot_8rows' 16 madd + 8 add + 8 hadd-style
-// shuffles on 256-bit vectors (1B Llama layer, int4, 8 rows: see the commit message).
-// The Q4_1 min term is dot_8rows' (one FMA over the 8 rows' sums per group).
-// Integer dots are exact; only the float rounding order differs from dot_rows.
-inline __m512i group_dot_512(__m512i w, const int16_t* x) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x));
-#else
-  return _mm512_madd_epi16(w, _mm512_loadu_si512(x));
-#endif
-}
-
-template <bool kInt4>
-inline __m512i load_group_512(const uint8_t* w) {
-  if (kInt4) {  // 16 bytes: q[j] low nibble, q[j + 16] high nibble -> q[0..31] as int16
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m256i bytes = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_and_si128(packed, mask)),
-        _mm_and_si128(_mm_srli_epi16(packed, 4), mask), 1);
-    return _mm512_cvtepu8_epi16(bytes);
-  }
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-}
-
-template <bool kInt4>
-inline void dot_8rows_512(const uint8_t* wrow, const uint16_t* srow, const uint16_t* mrow,
-                          int64_t groups, const QuantizedActivations& qa, int64_t rows,
-                          int64_t m0, float* out, int64_t out_stride) {
-  __m512 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
-  __m256 acc_min = _mm256_setzero_ps();
-  alignas(32) float row_scale[8];
-  const int16_t* x0 = qa.values.data() + m0 * qa.stride;
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512i w = load_group_512<kInt4>(wrow + g * (kInt4 ? kGroup / 2 : kGroup));
-    _mm256_store_ps(row_scale,
-                    _mm256_mul_ps(_mm256_set1_ps(half_to_float(srow[g])),
-                                  _mm256_loadu_ps(qa.scales_t.data() + g * rows + m0)));
-    for (int r = 0; r < 8; ++r) {
-      const __m512i dot = group_dot_512(w, x0 + r * qa.stride + g * kGroup);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(row_scale[r]), acc[r]);
-    }
-    if (kInt4)
-      acc_min = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mrow[g])),
-                                _mm256_loadu_ps(qa.sums_t.data() + g * rows + m0), acc_min);
-  }
-  alignas(32) float mins[8];
-  _mm256_store_ps(mins, acc_min);
-  for (int r = 0; r < 8; ++r) out[(m0 + r) * out_stride] = _mm512_reduce_add_ps(acc[r]) + mins[r];
-}
-#define DOT_8ROWS dot_8rows_512
-#else
-#define DOT_8ROWS dot_8rows
-#endif
 #else
 // Portable version of the same arithmetic: integer dot per group, scaled in float.
 template <bool kInt4, int R>
@@ -387,7 +326,7 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
       const int64_t tile_end = std::min(end, tile + kTileOut);
       for (int64_t m0 = 0; m0 < blocked_rows; m0 += 8)
         for (int64_t n = tile; n < tile_end; ++n)
-          DOT_8ROWS<kInt4>(weight + n * row_bytes, scales + n * groups,
+          dot_8rows<kInt4>(weight + n * row_bytes, scales + n * groups,
                            kInt4 ? mins + n * groups : nullptr, groups, qa, rows, m0, op + n,
                            num_out);
     }
