@@ -55,6 +55,17 @@ def schedule_until_grammar(scheduler, deadline_s=30.0):
     return scheduler.schedule()
 
 
+def schedule_until_grammar_failure(scheduler, deadline_s=30.0):
+    """Schedule until some grammar fails; its error outputs (empty on timeout)."""
+    end = time.monotonic() + deadline_s
+    failures = []
+    while not failures and time.monotonic() < end:
+        scheduler.schedule()
+        failures = scheduler.take_grammar_failures()
+        time.sleep(0.01)
+    return failures
+
+
 def allowed(bitmask_row: torch.Tensor) -> list[int]:
     bits = [(int(bitmask_row[t // 32]) >> (t % 32)) & 1 for t in range(VOCAB)]
     return [t for t, bit in enumerate(bits) if bit]
@@ -107,12 +118,7 @@ def test_failed_compile_and_abort_while_compiling(scheduler, tokenizer):
     add(scheduler, "bad", tokenizer, "regex", "((")  # the frontend would have said 400
     add(scheduler, "gone", tokenizer, "json", json.dumps({"type": "object"}))
     scheduler.finish_requests(["gone"], RequestStatus.FINISHED_ABORTED)
-    end = time.monotonic() + 30
-    failures = []
-    while not failures and time.monotonic() < end:
-        scheduler.schedule()
-        failures = scheduler.take_grammar_failures()
-        time.sleep(0.01)
+    failures = schedule_until_grammar_failure(scheduler)
     [failure] = failures
     assert failure.req_id == "bad" and failure.finish_reason == "error"
     assert "invalid regex" in failure.error
@@ -122,12 +128,7 @@ def test_failed_compile_and_abort_while_compiling(scheduler, tokenizer):
 def test_a_stop_id_the_matcher_refuses_fails_only_its_request(scheduler, tokenizer):
     # The frontend refuses such ids with a 400; the core must not die if one slips by.
     add(scheduler, "bad", tokenizer, "json", "{}", stop_token_ids=[-6650])
-    end = time.monotonic() + 30
-    failures = []
-    while not failures and time.monotonic() < end:
-        scheduler.schedule()
-        failures = scheduler.take_grammar_failures()
-        time.sleep(0.01)
+    failures = schedule_until_grammar_failure(scheduler)
     [failure] = failures
     assert failure.req_id == "bad" and "grammar matcher" in failure.error
     assert not scheduler.has_unfinished_requests() and not scheduler.requests
