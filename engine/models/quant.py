@@ -61,7 +61,7 @@ def default_max_rows(kind: str = "int4") -> int:
         return int(override)
     if kind == "int4-blocked" and cpu_info.vector_isa() == "avx512":
         # Blocked int4 (kernels/cpu/int4_blocked.cpp), bfloat16 tiles, ms per layer
-        # few-row / tiled: 8 rows 6.0 / 47, 32: 25.9 / 51.8, 64: 37.2 / 59.6.
+        # few-row / tiled: 8 rows 7.1 / 50.0, 32: 23.6 / 54.4, 64: 36.8 / 60.4.
         return 64
     if not cpu_info.native_bf16_reason():
         # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
