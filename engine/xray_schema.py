@@ -61,6 +61,9 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     # Several KV groups (sliding-window models): blocks held in each group, nulls of a
     # sliding window not counted; absent for one group.
     num_blocks_by_group: list[int] | None = None
+    # The API that sent it ("openai_chat", "anthropic_messages", ...: server/api_label.py),
+    # filled by the frontend from the request id; absent for ids no API route made.
+    api: str | None = None
     # Only with --xray-show-text (filled by the frontend, never by the core; absent otherwise).
     prompt_text: str | None = None
     output_text: str | None = None

@@ -6,7 +6,8 @@
     /v1/responses         openai_responses     /api/generate  ollama_generate
 
 Only the generation routes have a label; other paths (models, tokenize, /api/tags, ...)
-are not counted.
+are not counted. A request id starts with its API's prefix (`REQUEST_ID_PREFIXES`), which
+is how the x-ray labels each request it lists (`api_of_request_id`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,27 @@ GENERATION_APIS = {
     "/api/chat": "ollama_chat",
     "/api/generate": "ollama_generate",
 }
+# Each API's request id prefix (server/serving_*.py: new_request_id(prefix)), longest first
+# where one could begin another.
+REQUEST_ID_PREFIXES = {
+    "chatcmpl-": "openai_chat",
+    "cmpl-": "openai_completions",
+    "resp-": "openai_responses",
+    "msg-": "anthropic_messages",
+    "ollama-chat-": "ollama_chat",
+    "ollama-generate-": "ollama_generate",
+}
 # The routes whose requests reach the engine (failures count as failed requests).
 GENERATION_PATHS = frozenset(GENERATION_APIS)
+
+
+def api_of_request_id(request_id: str) -> str | None:
+    """"resp-3f2a..." -> "openai_responses"; None for an id no API route made (the
+    offline LLM's, or a client's own)."""
+    for prefix, api in REQUEST_ID_PREFIXES.items():
+        if request_id.startswith(prefix):
+            return api
+    return None
 
 
 def status_class(status: int) -> str:

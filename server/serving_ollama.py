@@ -258,7 +258,7 @@ async def ollama_chat(state: ServerState, body: OllamaChatRequest, raw_request: 
     if body.tools:
         fields["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
     fields["stream"] = body.stream
-    run = await start_chat(state, chat_request(fields), raw_request, id_prefix="ollama",
+    run = await start_chat(state, chat_request(fields), raw_request, id_prefix="ollama-chat",
                            max_context=(body.options.num_ctx if body.options else None))
     return await _answer(state, raw_request, run, body.model, body.stream, True, started_ns)
 
@@ -283,7 +283,7 @@ async def ollama_generate(state: ServerState, body: OllamaGenerateRequest, raw_r
         if prompt_token_ids is None:
             _, prompt_token_ids = apply_chat_template(state, chat_request(fields).messages, True)
         prompt_token_ids = list(body.context) + prompt_token_ids
-    run = await start_chat(state, chat_request(fields), raw_request, id_prefix="ollama",
+    run = await start_chat(state, chat_request(fields), raw_request, id_prefix="ollama-generate",
                            prompt_token_ids=prompt_token_ids,
                            max_context=(body.options.num_ctx if body.options else None))
     return await _answer(state, raw_request, run, body.model, body.stream, False, started_ns)

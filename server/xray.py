@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
 from engine.xray_schema import XrayLimits, XraySnapshot
+from server.api_label import api_of_request_id
 from server.errors import APIError, from_exception
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class SnapshotCache:
         snapshot.model = self._model
         snapshot.show_text = self._options.show_text
         snapshot.min_interval_s = self.interval_s
+        for request in (*snapshot.running, *snapshot.waiting):
+            request.api = api_of_request_id(request.req_id)
         if self._options.show_text:
             self._add_text(snapshot)
         self._body = msgspec.json.encode(snapshot)

@@ -130,6 +130,7 @@ def test_state_json_and_error_objects():
     body = state.json()
     assert body["schema_version"] == 1 and body["model"] == "m" and body["show_text"] is False
     assert [r["req_id"] for r in body["running"]] == ["cmpl-1-0"]
+    assert body["running"][0]["api"] == "openai_completions"  # from the id's prefix
     assert "prompt_text" not in body["running"][0] and "output_text" not in body["running"][0]
     wrong_method = client.post("/xray/state")
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
@@ -281,6 +282,7 @@ def test_real_server_show_text(text_server):
         and all(r.get("output_text") for r in s["running"]) and s, "text of running requests")
     assert state["show_text"] is True
     for request in state["running"]:
+        assert request["api"] == "openai_chat"
         assert request["prompt_text"].startswith("<|im_start|>system\nYou are a helpful")
         assert request["prompt_text"].endswith("…")
     load.join()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from server.api_label import GENERATION_APIS, REQUEST_ID_PREFIXES, api_of_request_id
 from server.errors import APIError
 from server.protocol_anthropic import MessagesRequest
 from server.protocol_ollama import OllamaChatRequest
 from server.protocol_responses import ResponsesRequest
 from server.serving_anthropic import _chat_fields as anthropic_fields
 from server.serving_anthropic import _stop
+from server.serving_common import new_request_id
 from server.serving_ollama import _chat_messages
 from server.serving_responses import _input_messages
 
@@ -112,3 +114,12 @@ def test_ollama_tool_calls_get_ids_their_results_answer():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
     assert [(m["tool_call_id"], m["name"]) for m in messages[2:]] == [
         ("call_0", "f"), ("call_1", "g")]
+
+
+def test_request_ids_name_their_api():
+    """Every prefix the routes give new_request_id maps to its route's API label."""
+    assert set(REQUEST_ID_PREFIXES.values()) == set(GENERATION_APIS.values())
+    for prefix, api in REQUEST_ID_PREFIXES.items():
+        assert api_of_request_id(new_request_id(prefix.removesuffix("-"))) == api
+    assert api_of_request_id("cmpl-3f2a-1") == "openai_completions"  # n > 1: one id each
+    assert api_of_request_id("0") is None and api_of_request_id("ollama-3f2a") is None
