@@ -217,21 +217,30 @@ def stop(process: subprocess.Popen) -> None:
     signal_group(signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def warmed_pagedserve(args: argparse.Namespace, model_dir: str) -> Iterator[str]:
+def warmed_pagedserve(args: argparse.Namespace, model_dir: str
+                      ) -> contextlib.AbstractContextManager[str]:
     """pagedserve on 127.0.0.1:`args.port` (log: `args.result_dir`/server.log), warmed by
     one run of `args.clients` prompts; yields its base URL and stops it afterwards.
     For the A/B benchmarks that load one server (xray_overhead, structured_outputs)."""
+    return warmed_server(args, "pagedserve", model_dir, None)
+
+
+@contextlib.contextmanager
+def warmed_server(args: argparse.Namespace, name: str, model_dir: str,
+                  gguf: Path | None) -> Iterator[str]:
+    """`warmed_pagedserve` for any of SERVERS (llama-server reads `gguf`); its log is
+    `args.result_dir`/server.log for pagedserve, <name>-server.log for the others."""
     base_url = f"http://127.0.0.1:{args.port}"
-    command = server_command(args, "pagedserve", model_dir, None, args.port)
-    log_path = Path(args.result_dir) / "server.log"
+    command = server_command(args, name, model_dir, gguf, args.port)
+    log_path = Path(args.result_dir) / ("server.log" if name == "pagedserve"
+                                        else f"{name}-server.log")
     print(f"[server] {shlex.join(command)}  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   env=server_env(args, name), start_new_session=True)
         try:
             wait_until_ready(base_url, process, args.startup_timeout)
-            warm = bench_args(args, "pagedserve", base_url, model_dir, args.clients, None,
+            warm = bench_args(args, name, base_url, model_dir, args.clients, None,
                               num_prompts=args.clients, num_warmups=1)
             if bench_serve.main(warm) != 0:
                 raise RuntimeError("warm-up run failed")

@@ -19,6 +19,10 @@ started on 127.0.0.1 as `benchmarks.compare_servers` starts it, with or without
 It prints one Markdown table: each workload's output tok/s off and on (mean over the
 runs), on/off, and the draft acceptance the server's own pagedserve:spec_decode_* counters
 report. The issue's bars: copy >= 2x, chat-1 >= 0.95x, chat-N >= 0.95x.
+
+`--servers pagedserve llamacpp` also runs llama-server on the same GGUF, off and with its
+own n-gram speculation (`--llamacpp-spec-args`, default `--spec-type ngram-simple`), in
+the same ABBA order, after pagedserve's runs.
 """
 
 from __future__ import annotations
@@ -33,10 +37,19 @@ from pathlib import Path
 import httpx
 
 from benchmarks import serve as bench_serve
-from benchmarks.compare_servers import abba_runs, bench_args, warmed_pagedserve
+from benchmarks.compare_servers import (
+    DEFAULT_LLAMA_SERVER_BIN,
+    abba_runs,
+    bench_args,
+    gguf_file,
+    warmed_server,
+)
 
 # k = 7: a verification step of 8 rows costs about what one of 5 does on the CPU int4
 # kernels (8-row blocks), and the adaptive draft length keeps rejected drafts short.
+# llama-server's own n-gram speculation (its defaults: look up the last 12 tokens, draft
+# up to 48), for the same workloads side by side with `--servers pagedserve llamacpp`.
+DEFAULT_LLAMACPP_SPEC = "--spec-type ngram-simple"
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_min": 2, '
                 '"prompt_lookup_max": 5}')
 
@@ -80,11 +93,15 @@ def write_copy_dataset(path: Path, max_tokens: int) -> None:
 
 
 def spec_counters(base_url: str) -> dict[str, float]:
-    """The server's pagedserve:spec_decode_* totals (0 when speculation is off)."""
+    """The server's spec_decode_num_*_total counters (vLLM's names, which pagedserve and
+    llama-server --metrics both export; 0 when speculation is off)."""
     totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+    response = httpx.get(f"{base_url}/metrics", timeout=10)
+    for line in response.text.splitlines() if response.status_code == 200 else ():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
         for key in totals:
-            if line.startswith(f"pagedserve:spec_decode_num_{key}_total{{"):
+            if name in (f"pagedserve:spec_decode_num_{key}_total",
+                        f"llamacpp:spec_decode_num_{key}_total"):
                 totals[key] = float(line.rsplit(" ", 1)[1])
     return totals
 
@@ -134,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-dir", default="results/spec_decode")
     parser.add_argument("--pagedserve-args", type=shlex.split, default=[],
                         help="extra flags for `pagedserve serve` (both modes), one quoted string")
+    parser.add_argument("--servers", nargs="+", choices=["pagedserve", "llamacpp"],
+                        default=["pagedserve"],
+                        help="llamacpp: llama-server on the same GGUF (the default model's "
+                        "or --model), off and with --llamacpp-spec-args")
+    parser.add_argument("--llamacpp-spec-args", type=shlex.split,
+                        default=shlex.split(DEFAULT_LLAMACPP_SPEC),
+                        help="llama-server's speculation flags in the 'on' runs")
+    parser.add_argument("--llama-server-bin", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
     args = parser.parse_args(argv)
     if min(args.clients, args.prompts_per_client, args.rounds, args.copy_max_tokens) < 1:
         parser.error("--clients, --prompts-per-client, --rounds, --copy-max-tokens must be >= 1")
@@ -146,43 +171,56 @@ def main(argv: list[str] | None = None) -> int:
     result_dir.mkdir(parents=True, exist_ok=True)
     copy_path = result_dir / "copy_prompts.jsonl"
     write_copy_dataset(copy_path, args.copy_max_tokens)
+    gguf = gguf_file(args.model) if "llamacpp" in args.servers else None
+    if "llamacpp" in args.servers and (gguf is None or not args.llama_server_bin.is_file()):
+        parser.error("llamacpp needs a GGUF (the default model's or --model) and "
+                     f"{args.llama_server_bin} (benchmarks/peers/setup_llamacpp.sh)")
+    # compare_servers' llama-server command: one slot per client, room for a request each.
+    args.concurrency, args.prefill_len = [args.clients], 0
     base_flags = list(args.pagedserve_args)
+    runs: dict[str, list[tuple[bool, dict]]] = {}
+    for server in args.servers:
+        def run(label: str, speculate: bool, server: str = server) -> dict:
+            args.pagedserve_args = base_flags + (
+                ["--speculative-config", args.spec_config] if speculate else [])
+            args.llamacpp_args = ["--metrics"] + (args.llamacpp_spec_args if speculate else [])
+            with warmed_server(args, server, model_dir, gguf) as base_url:
+                return {workload: run_workload(args, base_url, model_dir, f"{server}-{label}",
+                                               workload, copy_path)
+                        for workload in args.workloads}
 
-    def run(label: str, speculate: bool) -> dict:
-        args.pagedserve_args = base_flags + (
-            ["--speculative-config", args.spec_config] if speculate else [])
-        with warmed_pagedserve(args, model_dir) as base_url:
-            return {workload: run_workload(args, base_url, model_dir, label, workload, copy_path)
-                    for workload in args.workloads}
-
-    runs = abba_runs(args.rounds, ("off", "on"), run)
+        runs[server] = abba_runs(args.rounds, ("off", "on"), run)
     report(args, model_dir, runs)
     (result_dir / "summary.json").write_text(json.dumps(
         {"config": {k: v for k, v in vars(args).items()},
-         "runs": [{"speculate": s, "workloads": r} for s, r in runs]}, indent=2, default=str))
+         "runs": {server: [{"speculate": s, "workloads": r} for s, r in server_runs]
+                  for server, server_runs in runs.items()}}, indent=2, default=str))
     return 0
 
 
-def report(args: argparse.Namespace, model_dir: str, runs: list[tuple[bool, dict]]) -> None:
-    print(f"\n{model_dir}; speculation: {args.spec_config}; {args.rounds} round(s)")
-    print("| workload | output tok/s off | output tok/s on | on / off | drafts accepted "
+def report(args: argparse.Namespace, model_dir: str,
+           runs: dict[str, list[tuple[bool, dict]]]) -> None:
+    print(f"\n{model_dir}; {args.rounds} round(s); pagedserve speculation: {args.spec_config}"
+          + (f"; llama-server: {shlex.join(args.llamacpp_spec_args)}"
+             if "llamacpp" in runs else ""))
+    print("| server | workload | output tok/s off | output tok/s on | on / off | drafts accepted "
           "| tokens per draft step | output tokens off / on |")
-    print("|---|---|---|---|---|---|---|")
-    for workload in args.workloads:
-        off = [r[workload] for s, r in runs if not s]
-        on = [r[workload] for s, r in runs if s]
-        off_tps = statistics.mean(m["output_throughput"] for m in off)
-        on_tps = statistics.mean(m["output_throughput"] for m in on)
-        spec = {key: sum(m["spec"][key] for m in on) for key in on[0]["spec"]}
-        accepted = (f"{100 * spec['accepted_tokens'] / spec['draft_tokens']:.0f}% of "
-                    f"{spec['draft_tokens']:.0f}" if spec["draft_tokens"] else "no drafts")
-        per_step = (f"{1 + spec['accepted_tokens'] / spec['drafts']:.2f}"
-                    if spec["drafts"] else "—")
-        tokens = (f"{off[0]['total_output_tokens']} / {on[0]['total_output_tokens']}")
-        label = f"chat-{args.clients}" if workload == "chat-N" else workload
-        print(f"| {label} | {off_tps:.1f} | {on_tps:.1f} | {on_tps / off_tps:.2f}x | "
-              f"{accepted} | {per_step} | {tokens} |")
-
+    print("|---|---|---|---|---|---|---|---|")
+    for server, server_runs in runs.items():
+        for workload in args.workloads:
+            off = [r[workload] for s, r in server_runs if not s]
+            on = [r[workload] for s, r in server_runs if s]
+            off_tps = statistics.mean(m["output_throughput"] for m in off)
+            on_tps = statistics.mean(m["output_throughput"] for m in on)
+            spec = {key: sum(m["spec"][key] for m in on) for key in on[0]["spec"]}
+            accepted = (f"{100 * spec['accepted_tokens'] / spec['draft_tokens']:.0f}% of "
+                        f"{spec['draft_tokens']:.0f}" if spec["draft_tokens"] else "no drafts")
+            per_step = (f"{1 + spec['accepted_tokens'] / spec['drafts']:.2f}"
+                        if spec["drafts"] else "—")
+            tokens = f"{off[0]['total_output_tokens']} / {on[0]['total_output_tokens']}"
+            label = f"chat-{args.clients}" if workload == "chat-N" else workload
+            print(f"| {server} | {label} | {off_tps:.1f} | {on_tps:.1f} | "
+                  f"{on_tps / off_tps:.2f}x | {accepted} | {per_step} | {tokens} |")
 
 if __name__ == "__main__":
     sys.exit(main())
