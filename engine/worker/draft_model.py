@@ -182,7 +182,8 @@ def load_draft_model(config: SpeculativeConfig, target_dir: str, target_vocab_si
     try:
         draft_dir = resolve_model(config.model).path
     except ModelSourceError as exc:
-        raise ValueError(f"speculative_config model {config.model!r}: {exc}") from None
+        reason = str(exc).removeprefix(f"--model {config.model}: ")  # the message names --model
+        raise ValueError(f"speculative_config model {config.model}: {reason}") from None
     check_same_vocabulary(target_dir, draft_dir)
     draft_vocab_size = AutoConfig.from_pretrained(draft_dir).get_text_config().vocab_size
     model = load_model(draft_dir, dtype, device, quantization)
