@@ -204,6 +204,14 @@ def test_missing_draft_checkpoint_and_tensor_parallel(tmp_path, target):
         LLM(target, dtype="float32", speculative_config=spec(target), tensor_parallel_size=2)
 
 
+def test_target_with_only_sliding_window_layers_is_refused(tmp_path, target):
+    """The draft reads KV-cache group 0's blocks; a sliding-window group drops old ones."""
+    mistral = build_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=32,
+                                    max_position_embeddings=512)
+    with pytest.raises(ValueError, match="full-attention layers"):
+        LLM(mistral, dtype="float32", speculative_config=spec(target))
+
+
 @pytest.mark.parametrize("change, message", [
     ("extra_token", "tokenizer differs"),
     ("other_eos", "EOS token id"),
