@@ -4,6 +4,7 @@ workloads, at one client and at many.
     python -m benchmarks.spec_decode                                 # default model, ngram k=7
     python -m benchmarks.spec_decode --rounds 2 \\
         --spec-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    python -m benchmarks.spec_decode --model TARGET --draft-model DRAFT   # draft_model, k=7
 
 For each run (ABBA order over --rounds: off, on, on, off, ...) a pagedserve server is
 started on 127.0.0.1 as `benchmarks.compare_servers` starts it, with or without
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--spec-config", default=DEFAULT_SPEC,
                         help="the --speculative-config of the 'on' runs (JSON)")
+    parser.add_argument("--draft-model", default=None,
+                        help="speculate with this draft checkpoint instead (method "
+                             "draft_model; --spec-config's other keys, e.g. "
+                             "num_speculative_tokens, still apply)")
     parser.add_argument("--workloads", nargs="+", default=["copy", "chat-1", "chat-N"],
                         choices=["copy", "chat-1", "chat-N"])
     parser.add_argument("--clients", type=int, default=32, help="clients of chat-N")
@@ -162,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.clients, args.prompts_per_client, args.rounds, args.copy_max_tokens) < 1:
         parser.error("--clients, --prompts-per-client, --rounds, --copy-max-tokens must be >= 1")
-    json.loads(args.spec_config)  # fail now, not after the first server
+    spec = json.loads(args.spec_config)  # fail now, not after the first server
+    if args.draft_model is not None:
+        spec.update(method="draft_model", model=str(Path(args.draft_model).resolve()))
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            spec.pop(key, None)
+        args.spec_config = json.dumps(spec)
 
     from engine.model_loader import resolve_model
 

@@ -79,7 +79,7 @@ class DeviceConfig:
     cpu_layout: str = "shared"
 
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ class SpeculativeConfig:
     Each step a decoding request may carry up to `num_speculative_tokens` proposed
     tokens that the model verifies in the same forward pass. `ngram` looks the request's
     last `prompt_lookup_max`..`prompt_lookup_min` tokens up earlier in its own tokens;
-    `suffix` also looks in this server's recent outputs.
+    `suffix` also looks in this server's recent outputs; `draft_model` runs `model`, a
+    smaller checkpoint with the same tokenizer, greedily (engine/worker/draft_model.py).
     With `adaptive_draft_length` a request's drafts are at most `num_speculative_tokens`
     long and follow its acceptance: a fully accepted draft doubles the next one's length,
     a draft rejected at position a makes the next one a + 1 long.
@@ -101,6 +102,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # draft_model: the draft checkpoint (a directory, a .gguf file or a hub id).
+    model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 4
@@ -115,6 +118,12 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; "
                              f"choose one of {list(SPEC_METHODS)}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model": the draft '
+                             "checkpoint (a directory, a .gguf file or a hub id)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError('"model" is the draft checkpoint of method "draft_model"; '
+                             f"method {self.method!r} takes none")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -145,6 +154,13 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     # None: no speculative decoding (every step decodes one token per request).
     speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if (spec is not None and spec.method == "draft_model"
+                and self.parallel_config.tensor_parallel_size > 1):
+            raise ValueError("speculative method draft_model does not run with "
+                             "tensor_parallel_size > 1 (the draft model is not sharded)")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)

@@ -238,7 +238,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     flag("--speculative-config", "Speculative decoding, as vLLM spells it: JSON such as "
          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 7, \"prompt_lookup_min\": 2, "
          "\"prompt_lookup_max\": 5}'. Methods: ngram (prompt lookup), suffix (also this "
-         "server's recent outputs). Extra keys: disable_by_batch_size (no drafts while more "
+         "server's recent outputs), draft_model (a smaller model with the same tokenizer, "
+         "\"model\": its checkpoint; its KV shares the --kv-cache-memory budget). Extra keys: disable_by_batch_size (no drafts while more "
          "requests run; default 4), adaptive_draft_length (default true), "
          "min_acceptance_rate, backoff_tokens. With --async-scheduling, steps that may "
          "carry drafts run one at a time. Default: off.", type=_speculative_config)
@@ -386,7 +387,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     model_dir = str(source.path)
     served = args.served_model_name or [_served_name(source, model_dir)]
-    config = engine_config_from_args(args, model_dir, served[0])
+    try:
+        config = engine_config_from_args(args, model_dir, served[0])
+    except ValueError as exc:  # options that do not go together
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not 0 <= args.node_rank < args.nnodes:
         print(f"error: --node-rank {args.node_rank} is not in [0, --nnodes {args.nnodes})",
               file=sys.stderr)

@@ -36,6 +36,27 @@ class AttentionMetadata:
     query_start_loc_np: np.ndarray
     seq_lens_np: np.ndarray
 
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                  block_table: np.ndarray, slot_mapping: np.ndarray,
+                  device: torch.device) -> AttentionMetadata:
+        """From the host arrays (int32 query_start_loc, seq_lens, block_table; int64
+        slot_mapping), copied to `device`; the host copies are kept as they are."""
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        return cls(
+            num_actual_tokens=int(query_start_loc[-1]),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=to_device(query_start_loc),
+            seq_lens=to_device(seq_lens),
+            block_table=to_device(block_table),
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc_np=query_start_loc,
+            seq_lens_np=seq_lens,
+        )
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_np)

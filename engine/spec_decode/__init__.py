@@ -7,6 +7,6 @@ docs/speculative-decoding.md for the whole flow.
 """
 
 from engine.spec_decode.ngram import find_ngram_draft
-from engine.spec_decode.speculator import SpecDecodingStats, Speculator
+from engine.spec_decode.speculator import DRAFT_PLACEHOLDER, SpecDecodingStats, Speculator
 
-__all__ = ["SpecDecodingStats", "Speculator", "find_ngram_draft"]
+__all__ = ["DRAFT_PLACEHOLDER", "SpecDecodingStats", "Speculator", "find_ngram_draft"]

@@ -11,6 +11,11 @@ from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import find_ngram_draft
 from engine.spec_decode.suffix import SuffixIndex
 
+# method draft_model: the scheduler's drafts are this many placeholders; the model runner
+# replaces them with the draft model's tokens before the step's forward pass
+# (engine/worker/draft_model.py), so budgets, slots and rollbacks work as for n-grams.
+DRAFT_PLACEHOLDER = -1
+
 
 class Request(Protocol):
     """What the speculator reads of engine.request.Request."""
@@ -81,7 +86,8 @@ class Speculator:
 
     Contract with the scheduler:
       * `propose(request, max_drafts)` for a request whose next step is a single decode
-        token; returns at most `max_drafts` token ids (often none);
+        token; returns at most `max_drafts` token ids (often none), or for draft_model
+        that many `DRAFT_PLACEHOLDER`s (the runner's draft model fills them in);
       * `record(req_id, num_drafts, num_accepted, num_tokens)` once per verified draft;
       * `finish(request)` when the request is freed (any reason).
     """
@@ -92,6 +98,7 @@ class Speculator:
         self._states: dict[str, _RequestSpec] = {}
         self._stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self.placeholders_only = config.method == "draft_model"
         self.suffix_index = (SuffixIndex(config.prompt_lookup_min, config.prompt_lookup_max,
                                          config.suffix_cache_max_requests)
                              if config.method == "suffix" else None)
@@ -106,6 +113,8 @@ class Speculator:
         if (not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until
                 or request.num_output_tokens < request.sampling_params.min_tokens):
             return []
+        if self.placeholders_only:
+            return [DRAFT_PLACEHOLDER] * num_drafts
         tokens = state.sync(token_ids)
         config = self.config
         draft = find_ngram_draft(tokens, config.prompt_lookup_min, config.prompt_lookup_max,

@@ -75,6 +75,7 @@ class Worker:
         self.max_model_len = 0
         self.vocab_size = 0
         self.kv_cache_groups: list[KVCacheGroupSpec] | None = None
+        self.draft_specs: list[kv_cache_init.KVCacheSpec] = []  # speculative draft_model
 
     def load(self) -> int:
         from transformers import AutoConfig
@@ -114,6 +115,19 @@ class Worker:
         self.backend = select_attention_backend(config.device_config.attention_backend, device,
                                                 block_size)
         sched = config.scheduler_config
+        kv_cache_dtype = kv_cache_init.resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype,
+                                                              dtype, device)
+        draft_model = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from engine.worker.draft_model import load_draft_model
+
+            draft_model = load_draft_model(
+                spec, model_dir, self.vocab_size, dtype, device,
+                config.model_config.quantization, block_size,
+                config.device_config.attention_backend)
+            self.draft_specs = kv_cache_init.get_kv_cache_specs(
+                draft_model.attention_layers, kv_cache_dtype, block_size)
         self.runner = ModelRunner(
             model, self.backend, device, max_num_reqs=sched.max_num_seqs,
             max_model_len=self.max_model_len, block_size=block_size, vocab_size=self.vocab_size,
@@ -122,6 +136,7 @@ class Worker:
             decode_graphs=DecodeGraphConfig.for_device(
                 device, config.model_config.enforce_eager or rank.size > 1,
                 sched.max_num_seqs),
+            draft_model=draft_model,
         )
         if rank.size > 1:
             from engine.distributed.sampling import FirstRankSampler
@@ -137,17 +152,19 @@ class Worker:
             num_profile_tokens = min(num_profile_tokens, CPU_PROFILE_TOKENS)
         self.runner.profile_run(num_profile_tokens)
         self.specs = kv_cache_init.get_kv_cache_specs(
-            self.runner.attention_layers,
-            kv_cache_init.resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype,
-                                                 device),
-            block_size)
+            self.runner.attention_layers, kv_cache_dtype, block_size)
         self.dtype = dtype
         self.kv_cache_groups = make_kv_cache_groups(
             [layer.sliding_window for layer in self.runner.attention_layers])
+        if draft_model is not None and self.kv_cache_groups[0].sliding_window is not None:
+            raise ValueError("speculative method draft_model needs a target with full-"
+                             "attention layers: its draft reads KV-cache group 0's blocks, "
+                             "and this model's keep only a sliding window")
         available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
         if device.type == "cpu":
             available //= rank.local_size  # the CPU budget is the node's, shared by its ranks
-        return kv_cache_init.num_blocks_for(self.specs, available, self.kv_cache_groups)
+        return kv_cache_init.num_blocks_for(self.specs, available, self.kv_cache_groups,
+                                            self.draft_specs)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None, "load() first"
@@ -156,13 +173,18 @@ class Worker:
         self.runner.set_kv_cache_groups(groups)
         self.runner.bind_kv_caches(kv_cache_init.allocate_kv_caches(
             self.specs, num_blocks, self.device, self.backend.kv_cache_shape, groups))
+        draft_model = self.runner.draft_model
+        if draft_model is not None:  # its own tensors, indexed by the same block ids
+            draft_model.bind_kv_caches(kv_cache_init.allocate_kv_caches(
+                self.draft_specs, num_blocks, self.device, draft_model.backend.kv_cache_shape))
         if self.rank.rank == 0:
             num_tokens = num_blocks * block_size
             logger.info(
                 "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s, %s, %s backend); "
                 "maximum concurrency at max_model_len=%d: %.2fx",
                 num_blocks, block_size, num_tokens,
-                num_blocks * kv_cache_init.block_id_bytes(self.specs, groups) / 2**20,
+                num_blocks * kv_cache_init.block_id_bytes(self.specs, groups, self.draft_specs)
+                / 2**20,
                 f" on each of {self.rank.size} ranks" if self.rank.size > 1 else "",
                 self.specs[0].dtype if self.specs else self.dtype, self.backend.name,
                 self.max_model_len,

@@ -4,7 +4,8 @@
        and group the layers by attention kind (engine.kv_cache.groups)
     2. measure the memory left for KV after the weights and a profiling forward pass
     3. num_blocks = available_bytes // bytes of one block id (across all layers; with
-       several groups across one group's layer slots), less the padding block
+       several groups across one group's layer slots; plus the draft model's layers
+       with speculative draft_model), less the padding block
     4. allocate each tensor once, in the attention backend's layout
        (e.g. [2, num_blocks + 1, block_size, kv_heads, head_size]): one per layer, or
        with several groups one per layer slot, shared by the groups' layers
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,21 +107,26 @@ def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) ->
 NUM_PADDING_BLOCKS = 1
 
 
-def block_id_bytes(specs: list[KVCacheSpec], groups: list[KVCacheGroupSpec]) -> int:
+def block_id_bytes(specs: list[KVCacheSpec], groups: list[KVCacheGroupSpec],
+                   draft_specs: Sequence[KVCacheSpec] = ()) -> int:
     """Bytes one block id costs: a block in every layer, or with several groups a block
-    in each of the `group_size` shared tensors (their layers must then agree in shape)."""
+    in each of the `group_size` shared tensors (their layers must then agree in shape);
+    plus a block in each draft-model layer (`draft_specs`: its own shapes)."""
+    draft_bytes = sum(spec.block_bytes for spec in draft_specs)
     if len(groups) == 1:
-        return sum(spec.block_bytes for spec in specs)
+        return sum(spec.block_bytes for spec in specs) + draft_bytes
     if len(set(specs)) != 1:
         raise ValueError("sliding-window and full-attention layers with different KV shapes "
                          f"are not supported: {sorted(set(specs), key=str)}")
-    return group_size_of(groups) * specs[0].block_bytes
+    return group_size_of(groups) * specs[0].block_bytes + draft_bytes
 
 
 def num_blocks_for(specs: list[KVCacheSpec], available_bytes: int,
-                   groups: list[KVCacheGroupSpec] | None = None) -> int:
+                   groups: list[KVCacheGroupSpec] | None = None,
+                   draft_specs: Sequence[KVCacheSpec] = ()) -> int:
     """Blocks the pool may hand out, once the padding block is set aside."""
-    total = available_bytes // block_id_bytes(specs, groups or [KVCacheGroupSpec(None, ())])
+    total = available_bytes // block_id_bytes(
+        specs, groups or [KVCacheGroupSpec(None, ())], draft_specs)
     return max(0, total - NUM_PADDING_BLOCKS)
 
 

@@ -5,6 +5,9 @@
       _prepare_inputs  build input_ids / positions / attention metadata (numpy)
       forward          model(input_ids, positions) under the forward context; a pure
                        decode step replays a CUDA graph instead (worker/cuda_graphs.py)
+                       (speculative draft_model: the draft model proposes the step's
+                       drafts in _prepare_inputs and sees its other tokens after the
+                       forward: worker/draft_model.py)
       sample           logits of each request's last token -> sampler
 """
 
@@ -28,6 +31,7 @@ from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
 from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
+from engine.worker.draft_model import DraftModel
 from engine.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -64,8 +68,10 @@ class ModelRunner:
         block_size: int,
         vocab_size: int,
         decode_graphs: DecodeGraphConfig | None = None,  # None: every step eager
+        draft_model: DraftModel | None = None,  # speculative method draft_model
     ):
         self.model = model
+        self.draft_model = draft_model
         self.backend = backend
         self.device = device
         self.block_size = block_size
@@ -134,9 +140,15 @@ class ModelRunner:
             np.full(num_tokens, -1, np.int64),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(positions).to(self.device)
         with set_forward_context(metadata, self.backend):
-            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device))
+            hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[-len(lengths):])
+        if self.draft_model is not None:
+            draft = self.draft_model
+            with set_forward_context(metadata, draft.backend):
+                hidden = draft.model(input_ids, positions)
+            draft.model.compute_logits(hidden[-len(lengths):])
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
@@ -146,6 +158,8 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [])
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)
+        if self.draft_model is not None:
+            self._shadow_forward(inputs, scheduler_output.scheduled_spec_decode_tokens)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
         if inputs.draft_token_ids is not None:
             sampled = self._sample_with_drafts(inputs, hidden_states, scheduler_output.grammar)
@@ -168,6 +182,18 @@ class ModelRunner:
                           if inputs.extra_group_metadata else None)
         with set_forward_context(inputs.attn_metadata, self.backend, group_metadata):
             return self.model(inputs.input_ids, inputs.positions)
+
+    def _shadow_forward(self, inputs: ModelInputs, spec_tokens: dict[str, list[int]]) -> None:
+        """The draft model sees the step's tokens but those drafting wrote (their count:
+        each drafting request's k), so its K/V covers what the target computed."""
+        num_drafted = np.zeros(len(inputs.req_ids), dtype=np.int64)
+        if spec_tokens:
+            for index, req_id in enumerate(inputs.req_ids):
+                drafts = spec_tokens.get(req_id)
+                if drafts:
+                    num_drafted[index] = len(drafts)
+        self.draft_model.shadow_forward(inputs.input_ids, inputs.positions,
+                                        inputs.attn_metadata, num_drafted)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff: finished, preempted, new, resumed, new blocks."""
@@ -276,6 +302,11 @@ class ModelRunner:
         cu_num_tokens = np.cumsum(num_scheduled)
         total = int(cu_num_tokens[-1])
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if spec_tokens and self.draft_model is not None:
+            # The scheduler's drafts are placeholders: the draft model's tokens replace
+            # them (its K/V of the drafted positions written on the way).
+            spec_tokens = self.draft_model.propose(
+                batch, {req_id: len(drafts) for req_id, drafts in spec_tokens.items()})
         if spec_tokens:
             # Drafts sit right after each request's known tokens, where positions read.
             for req_id, drafts in spec_tokens.items():
@@ -351,18 +382,8 @@ class ModelRunner:
         return num_rows, draft_token_ids, logits_indices
 
     def _make_metadata(self, query_start_loc, seq_lens, block_table, slot_mapping):
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-        return AttentionMetadata(
-            num_actual_tokens=int(query_start_loc[-1]),
-            max_query_len=int(np.diff(query_start_loc).max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_device(query_start_loc),
-            seq_lens=to_device(seq_lens),
-            block_table=to_device(block_table),
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc_np=query_start_loc,
-            seq_lens_np=seq_lens,
-        )
+        return AttentionMetadata.from_host(query_start_loc, seq_lens, block_table,
+                                           slot_mapping, self.device)
 
     def _sample(
         self, inputs: ModelInputs, hidden_states: torch.Tensor,

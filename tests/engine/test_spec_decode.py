@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.request import EngineCoreRequest
 from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import count_preemptions, make_prompts
+from tests.support.spec_decode import SpecCounts, assert_all_blocks_free
 
 K = 4
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
@@ -61,35 +62,6 @@ def use_oracle(llm: LLM, reference: dict, corrupt_every: int = 3) -> None:
         return draft
 
     llm.engine_core.scheduler.speculator.propose = propose
-
-
-class SpecCounts:
-    """Totals of the engine's spec-decode stats and of rollbacks that freed blocks."""
-
-    def __init__(self, llm: LLM):
-        self.draft_tokens = self.accepted = self.rollbacks_freeing_blocks = 0
-        core, scheduler = llm.engine_core, llm.engine_core.scheduler
-        step, schedule = core.step, scheduler.schedule
-
-        def counted_step():
-            outputs = step()
-            stats = outputs.scheduler_stats
-            self.draft_tokens += stats.spec_num_draft_tokens
-            self.accepted += stats.spec_num_accepted_tokens
-            return outputs
-
-        def counted_schedule():
-            output = schedule()
-            self.rollbacks_freeing_blocks += len(output.num_blocks_after_rollback)
-            return output
-
-        core.step, scheduler.schedule = counted_step, counted_schedule
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    manager = llm.engine_core.scheduler.kv_cache_manager
-    assert manager.block_pool.get_num_free_blocks() == manager.num_blocks
-    assert manager.req_to_blocks == {}
 
 
 def test_greedy_with_drafts_equals_plain_under_prefix_hits_chunking_preemption(

@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import Speculator, find_ngram_draft
+from engine.spec_decode import DRAFT_PLACEHOLDER, Speculator, find_ngram_draft
 from engine.spec_decode.suffix import SuffixIndex
 
 
@@ -134,6 +134,20 @@ def test_speculator_respects_limits_and_sampling_rules():
     assert speculator.propose(_Request("d", tokens, min_tokens), 4) == []
 
 
+def test_draft_model_speculator_proposes_placeholders_within_the_same_limits():
+    """draft_model: the runner's draft model fills the tokens in; the scheduler-side
+    rules (room, sampling rules, adaptive length, back-off) are the n-gram ones."""
+    speculator = Speculator(SpeculativeConfig(method="draft_model", model="/draft",
+                                              num_speculative_tokens=4))
+    tokens = [5, 6, 7]  # nothing to look up: a draft model proposes anyway
+    assert speculator.propose(_Request("a", tokens), 16) == [DRAFT_PLACEHOLDER] * 4
+    assert speculator.propose(_Request("b", tokens), 2) == [DRAFT_PLACEHOLDER] * 2
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    assert speculator.propose(_Request("c", tokens, penalised), 4) == []
+    speculator.record("a", 4, 1, 5)  # rejected at position 1: the next draft is 2 long
+    assert speculator.propose(_Request("a", tokens), 16) == [DRAFT_PLACEHOLDER] * 2
+
+
 def test_suffix_speculator_learns_from_finished_requests():
     speculator = Speculator(SpeculativeConfig(method="suffix", num_speculative_tokens=3))
     done = _Request("a", [7, 8, 9])
@@ -147,6 +161,8 @@ def test_suffix_speculator_learns_from_finished_requests():
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"typo": 1}, "unknown speculative_config keys"),
+    ({"method": "draft_model"}, 'needs "model"'),
+    ({"method": "suffix", "model": "/m"}, "takes none"),
 ])
 def test_config_errors(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -171,6 +187,16 @@ def test_cli_flag_as_vllm_spells_it():
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == (
         "ngram", 3, 4)
     assert engine_config_from_args(parser.parse_args([]), "/m", "m").speculative_config is None
-    for bad in ('{"method": "ngram"', '[1]', '{"num_speculative_tokens": 99}'):
+    args = parser.parse_args(["--speculative-config", '{"method": "draft_model", '
+                              '"model": "/models/small", "num_speculative_tokens": 4}'])
+    config = engine_config_from_args(args, "/m", "m").speculative_config
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model", "/models/small", 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        engine_config_from_args(parser.parse_args(
+            ["--speculative-config", '{"method": "draft_model", "model": "/models/small"}',
+             "--tensor-parallel-size", "2"]), "/m", "m")
+    for bad in ('{"method": "ngram"', '[1]', '{"num_speculative_tokens": 99}',
+                '{"method": "draft_model"}'):
         with pytest.raises(SystemExit):
             parser.parse_args(["--speculative-config", bad])

@@ -1,0 +1,34 @@
+"""Counting what speculative decoding did in an engine (tests/engine/test_spec_*.py)."""
+
+from __future__ import annotations
+
+from engine import LLM
+
+
+class SpecCounts:
+    """Totals of the engine's spec-decode stats and of rollbacks that freed blocks."""
+
+    def __init__(self, llm: LLM):
+        self.draft_tokens = self.accepted = self.rollbacks_freeing_blocks = 0
+        core, scheduler = llm.engine_core, llm.engine_core.scheduler
+        step, schedule = core.step, scheduler.schedule
+
+        def counted_step():
+            outputs = step()
+            stats = outputs.scheduler_stats
+            self.draft_tokens += stats.spec_num_draft_tokens
+            self.accepted += stats.spec_num_accepted_tokens
+            return outputs
+
+        def counted_schedule():
+            output = schedule()
+            self.rollbacks_freeing_blocks += len(output.num_blocks_after_rollback)
+            return output
+
+        core.step, scheduler.schedule = counted_step, counted_schedule
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    manager = llm.engine_core.scheduler.kv_cache_manager
+    assert manager.block_pool.get_num_free_blocks() == manager.num_blocks
+    assert manager.req_to_blocks == {}
