@@ -24,7 +24,7 @@ from engine.distributed.parallel_state import get_tp_group
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
-from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
+from engine.sample import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
 from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
@@ -470,8 +470,8 @@ class ModelRunner:
         return sampled_token_ids, logprobs
 
     @staticmethod
-    def _set_draft_grammar_rows(metadata, grammar: GrammarBitmask, inputs: ModelInputs,
-                                starts: np.ndarray) -> None:
+    def _set_draft_grammar_rows(metadata: SamplingMetadata, grammar: GrammarBitmask,
+                                inputs: ModelInputs, starts: np.ndarray) -> None:
         """Point each constrained request's mask rows at its logits rows in a step with
         drafts: a request's rows are consecutive in both (GrammarBitmask's contract).
 
