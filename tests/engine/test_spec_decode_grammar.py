@@ -200,6 +200,21 @@ def test_runner_points_each_request_at_its_mask_rows():
             metadata, GrammarBitmask(["a"], bitmask[:2], num_rows=[2]), inputs, starts)
 
 
+def test_mask_rows_travel_to_worker_ranks():
+    """Tensor parallelism: a step's per-position mask rows reach every rank intact."""
+    from engine.executor.messages import Step, core_side_codec, worker_side_codec
+    from engine.sched.output import CachedRequestData, SchedulerOutput
+
+    grammar = GrammarBitmask(["b"], torch.arange(6, dtype=torch.int32).reshape(3, 2),
+                             num_rows=[3])
+    output = SchedulerOutput([], CachedRequestData(["b"], [False], [[3]], [7]), {"b": 3}, 3,
+                             grammar=grammar, scheduled_spec_decode_tokens={"b": [4, 5]})
+    decoded = worker_side_codec().decode(core_side_codec().encode(Step(output)))
+    got = decoded.scheduler_output.grammar
+    assert got.req_ids == ["b"] and got.num_rows == [3]
+    assert torch.equal(got.bitmask, grammar.bitmask)
+
+
 # ------------------------------------------------------------------ a tiny model
 SCHEMA = {"type": "object", "properties": {
     "animal": {"enum": ["quick brown fox", "lazy dog", "paged KV cache"]},
