@@ -52,12 +52,19 @@ class CachedRequestData:
 class GrammarBitmask:
     """Next-token masks of this step's constrained requests that sample.
 
-    `bitmask` is int32 [len(req_ids), ceil(vocab / 32)]: token t is allowed for
-    `req_ids[i]` when bit t % 32 of `bitmask[i, t // 32]` is set.
+    `bitmask` is int32 [rows, ceil(vocab / 32)]: token t is allowed in a row when bit
+    t % 32 of `bitmask[row, t // 32]` is set. Without drafts (`num_rows` None) row i is
+    the mask of `req_ids[i]`. With drafts, `req_ids[i]` has `num_rows[i]` consecutive
+    rows, one per logits row it verifies (1 + its drafts): its row j is the mask after
+    its drafts d_0..d_{j-1}.
+
+    Worked example: req_ids [a, b], num_rows [3, 1] (a verifies drafts [5, 6]):
+      bitmask rows  0: a's mask   1: a's after 5   2: a's after 5, 6   3: b's mask
     """
 
     req_ids: list[str]
     bitmask: torch.Tensor
+    num_rows: list[int] | None = None  # None: one row per request
 
 
 @dataclass

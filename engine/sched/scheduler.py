@@ -19,7 +19,8 @@ Structured outputs (engine/structured_output/): a constrained request waits in
 `waiting_for_grammar` until its grammar is compiled (off the step loop), then joins
 the waiting queue; each step fills the next-token bitmask of the constrained requests
 that sample (SchedulerOutput.grammar) and advances their matchers with the tokens
-they keep. Unconstrained steps skip all of it.
+they keep. A constrained request's drafts are cut where its grammar refuses them, and
+it gets one mask row per verified position. Unconstrained steps skip all of it.
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ class Scheduler:
                 drafts = speculator.propose(request, min(
                     token_budget - 1, last_position - num_computed - 1,
                     request.max_tokens - request.num_output_tokens - 1))
+                if drafts and request.grammar is not None:
+                    drafts = request.grammar.valid_draft(drafts)  # cut where it is refused
                 num_new_tokens += len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -338,7 +341,7 @@ class Scheduler:
 
         output = self._make_output(
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
-            new_block_ids, preempted,
+            new_block_ids, preempted, spec_tokens,
         )
         if self.speculator is not None:
             output.scheduled_spec_decode_tokens = spec_tokens
@@ -411,6 +414,7 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int],
         new_block_ids: dict[str, list[int]],
         preempted: list[Request],
+        spec_tokens: dict[str, list[int]],
     ) -> SchedulerOutput:
         manager = self.kv_cache_manager
         new_reqs = [
@@ -453,7 +457,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(ordered.values()),
             preempted_req_ids={r.req_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
-            grammar=self._grammar_bitmask(ordered) if self._constrained_req_ids else None,
+            grammar=(self._grammar_bitmask(ordered, spec_tokens)
+                     if self._constrained_req_ids else None),
         )
 
     def _extra_group_block_ids(self, scheduled_running: list[Request],
@@ -471,10 +476,13 @@ class Scheduler:
         extra.extend(manager.get_extra_group_block_ids(r.req_id) for r in scheduled_resumed)
         return extra
 
-    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int]) -> GrammarBitmask | None:
+    def _grammar_bitmask(self, num_scheduled_tokens: dict[str, int],
+                         spec_tokens: dict[str, list[int]]) -> GrammarBitmask | None:
         """Masks of the constrained requests that sample this step (their scheduled
-        tokens reach the end of their sequence; a mid-prefill chunk samples nothing)."""
-        req_ids, grammars = [], []
+        tokens reach the end of their sequence; a mid-prefill chunk samples nothing):
+        one row each, or 1 + k rows for a request verifying k drafts (the mask of each
+        verified position, as one-token-at-a-time decoding would have it)."""
+        req_ids, grammars, drafts = [], [], []
         for req_id in self._constrained_req_ids:
             num_tokens = num_scheduled_tokens.get(req_id)
             request = self.requests[req_id]
@@ -482,9 +490,14 @@ class Scheduler:
                     and request.num_computed_tokens + num_tokens >= request.num_tokens):
                 req_ids.append(req_id)
                 grammars.append(request.grammar)
+                if spec_tokens:
+                    drafts.append(spec_tokens.get(req_id, []))
         if not req_ids:
             return None
-        return GrammarBitmask(req_ids, self.structured_output.fill_bitmask(grammars))
+        if not any(drafts):
+            return GrammarBitmask(req_ids, self.structured_output.fill_bitmask(grammars))
+        return GrammarBitmask(req_ids, self.structured_output.fill_bitmask(grammars, drafts),
+                              num_rows=[1 + len(d) for d in drafts])
 
     # ------------------------------------------------------------------ update
     def update_from_output(

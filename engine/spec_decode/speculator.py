@@ -73,10 +73,10 @@ class _RequestSpec:
 
 def may_speculate(params: Any) -> bool:
     """Whether a request's sampling allows drafts: the verifier gives every draft
-    position the same sampling state, so history-dependent rules (penalties) opt out,
-    as do grammars (their mask needs each token before the next)."""
-    return (params.structured_outputs is None
-            and params.repetition_penalty == 1.0
+    position the same sampling state, so history-dependent rules (penalties) opt out.
+    Grammars take part: the scheduler cuts a draft where the grammar refuses it and
+    gives each verified position its own mask."""
+    return (params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0)
 

@@ -2,7 +2,9 @@
 
     scheduler.add_request      submit(params)  -> RequestGrammar (compile queued or cached)
     scheduler.schedule         poll()          -> admit the request once compiled
+                               valid_draft()   -> a draft cut where the grammar refuses it
                                fill_bitmask()  -> [rows, words] mask of the rows that sample
+                                                  (with drafts: 1 + k rows per request)
     runner / sampler           masks those rows' logits (forbidden tokens -> -inf)
     scheduler.update_from_output  accept(token) advances the request's matcher
 
@@ -66,6 +68,36 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         """Advance the matcher by one token; False if the grammar forbids it."""
         return bool(self.matcher.accept_token(token_id))
+
+    def valid_draft(self, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` (speculative decoding) that the grammar takes
+        token after token without ending; the matcher is left as it was.
+
+        Cut before the first refused token and before a stop token that would end the
+        output (its next row would have no mask; the step's last row samples it). An
+        inactive grammar (free reasoning) cuts before its `after_token_id`: the row after
+        that token needs the grammar's first mask.
+
+        Worked example, regex `[0-9]{2}`, draft ["4", "2", EOS, "x"]: "4" and "2" are
+        taken, EOS would end the output -> ["4", "2"] (rolled back by 3: nothing moved).
+        """
+        if not self.active:
+            after = self.params.after_token_id
+            return draft[:draft.index(after)] if after in draft else draft
+        matcher = self.matcher
+        num_accepted = 0  # tokens the matcher took, to roll back
+        num_valid = len(draft)
+        for i, token_id in enumerate(draft):
+            if not matcher.accept_token(token_id):
+                num_valid = i
+                break
+            num_accepted += 1
+            if matcher.is_terminated():
+                num_valid = i
+                break
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return draft[:num_valid]
 
     @property
     def terminated(self) -> bool:
@@ -168,11 +200,38 @@ class StructuredOutputManager:
         return seconds
 
     # ------------------------------------------------------------ the step
-    def fill_bitmask(self, grammars: list[RequestGrammar]):
-        """[len(grammars), words] int32: row i allows the tokens grammar i may take next."""
-        bitmask = self.backend.allocate_bitmask(len(grammars))
-        for i, grammar in enumerate(grammars):
-            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    def fill_bitmask(self, grammars: list[RequestGrammar],
+                     drafts: list[list[int]] | None = None):
+        """[rows, words] int32: the next-token masks of `grammars`, one row each, or with
+        `drafts` (speculative decoding: grammar i verifies `drafts[i]`, which
+        `valid_draft` kept) 1 + len(drafts[i]) consecutive rows each: row j of grammar i
+        is its mask after taking drafts[i][:j]. The matchers are left as they were.
+
+        Worked example, grammars [g, h], drafts [[5, 6], []]: 4 rows: g's mask, g's after
+        5, g's after 5 6, h's mask.
+        """
+        if drafts is None:
+            bitmask = self.backend.allocate_bitmask(len(grammars))
+            for i, grammar in enumerate(grammars):
+                grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            return bitmask
+        bitmask = self.backend.allocate_bitmask(len(grammars) + sum(map(len, drafts)))
+        row = 0
+        for grammar, draft in zip(grammars, drafts, strict=True):
+            matcher = grammar.matcher
+            matcher.fill_next_token_bitmask(bitmask, row)
+            row += 1
+            num_accepted = 0
+            for token_id in draft:
+                if not matcher.accept_token(token_id):
+                    break
+                num_accepted += 1
+                matcher.fill_next_token_bitmask(bitmask, row)
+                row += 1
+            if num_accepted:
+                matcher.rollback(num_accepted)
+            if num_accepted < len(draft):
+                raise RuntimeError(f"a draft that valid_draft did not keep: {draft}")
         return bitmask
 
     def shutdown(self) -> None:

@@ -27,7 +27,7 @@ from engine.distributed.parallel_state import get_tp_group
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
-from engine.sample import Sampler, SamplingState, compute_prompt_logprobs
+from engine.sample import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
 from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
@@ -452,13 +452,7 @@ class ModelRunner:
         sample_rows = inputs.row_indices[inputs.sample_req_indices]
         metadata = self.sampling_state.make_metadata(np.repeat(sample_rows, num_rows))
         if grammar is not None:
-            # Constrained requests carry no drafts: their one logits row is their start.
-            position = {inputs.req_ids[r]: int(starts[i])
-                        for i, r in enumerate(inputs.sample_req_indices)}
-            masks = [i for i, req_id in enumerate(grammar.req_ids) if req_id in position]
-            if masks:
-                metadata.grammar_rows = [position[grammar.req_ids[i]] for i in masks]
-                metadata.grammar_bitmask = grammar.bitmask[masks]
+            self._set_draft_grammar_rows(metadata, grammar, inputs, starts)
         verified = self.draft_verifier(logits, metadata, inputs.draft_token_ids, num_rows)
         emitted, num_accepted = verified.emitted_token_ids, verified.num_accepted
         tp_group = get_tp_group()
@@ -495,6 +489,39 @@ class ModelRunner:
                     ranks=lp_lists[2][start:end],
                 )
         return sampled_token_ids, logprobs
+
+    @staticmethod
+    def _set_draft_grammar_rows(metadata: SamplingMetadata, grammar: GrammarBitmask,
+                                inputs: ModelInputs, starts: np.ndarray) -> None:
+        """Point each constrained request's mask rows at its logits rows in a step with
+        drafts: a request's rows are consecutive in both (GrammarBitmask's contract).
+
+        Worked example: sampling requests a (drafts [7, 8]), b (none), c (drafts [5]):
+          logits rows  a a a b c c              -> a starts at 0, b at 3, c at 4
+          grammar.req_ids [c, a], num_rows [2, 3]: bitmask rows c c a a a
+          grammar_rows = [4, 5, 0, 1, 2]; grammar_bitmask = bitmask rows [0, 1, 2, 3, 4]
+        """
+        num_rows = inputs.num_sample_rows
+        rows_of = {inputs.req_ids[r]: (int(starts[i]), int(num_rows[i]))
+                   for i, r in enumerate(inputs.sample_req_indices)}
+        counts = grammar.num_rows or [1] * len(grammar.req_ids)
+        logits_rows: list[int] = []
+        mask_rows: list[int] = []
+        offset = 0
+        for req_id, count in zip(grammar.req_ids, counts, strict=True):
+            found = rows_of.get(req_id)
+            if found is not None:  # normally every constrained request samples
+                start, num = found
+                if num != count:
+                    raise ValueError(f"request {req_id} has {num} logits rows but {count} "
+                                     "grammar mask rows")
+                logits_rows.extend(range(start, start + num))
+                mask_rows.extend(range(offset, offset + num))
+            offset += count
+        if logits_rows:
+            metadata.grammar_rows = logits_rows
+            metadata.grammar_bitmask = (grammar.bitmask if len(mask_rows) == offset
+                                        else grammar.bitmask[mask_rows])
 
     def _compute_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, inputs: ModelInputs, hidden_states: torch.Tensor

@@ -35,8 +35,8 @@ def scheduler(tokenizer):
     manager.shutdown()
 
 
-def add(scheduler, req_id, tokenizer, kind=None, spec="", **params):
-    structured = StructuredOutputsParams(kind, spec) if kind else None
+def add(scheduler, req_id, tokenizer, kind=None, spec="", after_token_id=None, **params):
+    structured = StructuredOutputsParams(kind, spec, after_token_id) if kind else None
     params.setdefault("max_tokens", 20)
     request = EngineCoreRequest(req_id, tokenizer("Answer:").input_ids,
                                 SamplingParams(structured_outputs=structured, **params),
@@ -157,10 +157,7 @@ def test_grammar_waits_for_the_end_of_reasoning(scheduler, tokenizer):
     """With after_token_id (a reasoning model's </think>), the output is free and the
     matcher idle until that token; from the next token on, the grammar holds."""
     end = tokenizer.eos_token_id + 1  # stands for </think>
-    request = add(scheduler, "c", tokenizer, "regex", "[0-9]{2}")
-    request.grammar = scheduler.structured_output.submit(
-        StructuredOutputsParams("regex", "[0-9]{2}", after_token_id=end),
-        [tokenizer.eos_token_id])
+    request = add(scheduler, "c", tokenizer, "regex", "[0-9]{2}", after_token_id=end)
     output = schedule_until_grammar(scheduler)
     free_word = tokenizer("hmm").input_ids[0]
     for token in (free_word, free_word, end):
