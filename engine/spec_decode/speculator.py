@@ -71,14 +71,16 @@ class _RequestSpec:
         return self.tokens[:num_tokens]
 
 
-def may_speculate(params: Any) -> bool:
+def may_speculate(params: Any, placeholders_only: bool = False) -> bool:
     """Whether a request's sampling allows drafts: the verifier gives every draft
     position the same sampling state, so history-dependent rules (penalties) opt out.
     Grammars take part: the scheduler cuts a draft where the grammar refuses it and
-    gives each verified position its own mask."""
+    gives each verified position its own mask; except with `placeholders_only`
+    (draft_model), whose tokens the scheduler never sees: there they opt out."""
     return (params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
+            and params.presence_penalty == 0.0
+            and not (placeholders_only and params.structured_outputs is not None))
 
 
 class Speculator:
@@ -107,7 +109,8 @@ class Speculator:
         state = self._states.get(request.req_id)
         if state is None:
             state = self._states[request.req_id] = _RequestSpec(
-                may_speculate(request.sampling_params), self.num_speculative_tokens)
+                may_speculate(request.sampling_params, self.placeholders_only),
+                self.num_speculative_tokens)
         num_drafts = min(state.draft_len, max_drafts)
         token_ids = request.all_token_ids
         if (not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until
@@ -130,7 +133,7 @@ class Speculator:
         (it is eligible and not paused; the lookup itself may still find nothing)."""
         state = self._states.get(request.req_id)
         if state is None:
-            return may_speculate(request.sampling_params)
+            return may_speculate(request.sampling_params, self.placeholders_only)
         return state.eligible and len(request.all_token_ids) >= state.paused_until
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int, num_tokens: int) -> None:

@@ -9,6 +9,7 @@ from engine.config import SpeculativeConfig
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import DRAFT_PLACEHOLDER, Speculator, find_ngram_draft
 from engine.spec_decode.suffix import SuffixIndex
+from engine.structured_output.params import StructuredOutputsParams
 
 
 def brute_force_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -146,6 +147,14 @@ def test_draft_model_speculator_proposes_placeholders_within_the_same_limits():
     assert speculator.propose(_Request("c", tokens, penalised), 4) == []
     speculator.record("a", 4, 1, 5)  # rejected at position 1: the next draft is 2 long
     assert speculator.propose(_Request("a", tokens), 16) == [DRAFT_PLACEHOLDER] * 2
+    # The scheduler cannot check placeholders against a grammar: constrained requests
+    # decode one token at a time with a draft model (they do speculate with n-grams).
+    regex = SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(
+        kind="regex", spec="[0-9]+"))
+    assert speculator.propose(_Request("e", tokens, regex), 4) == []
+    assert not speculator.may_propose(_Request("f", tokens, regex))
+    ngram_speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    assert ngram_speculator.propose(_Request("e", [1, 2, 3, 1, 2], regex), 4) == [3, 1, 2]
 
 
 def test_suffix_speculator_learns_from_finished_requests():
