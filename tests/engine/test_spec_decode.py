@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.request import EngineCoreRequest
 from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import count_preemptions, make_prompts
-from tests.support.spec_decode import SpecCounts, assert_all_blocks_free
+from tests.support.spec_decode import SpecCounts, assert_all_blocks_free, note_steps_in_flight
 
 K = 4
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
@@ -192,15 +192,7 @@ def test_async_scheduling_overlaps_steps_until_a_request_may_draft(model_dir, pr
     assert core._worker is not None
     use_oracle(llm, reference)
     counts, preemptions = SpecCounts(llm), count_preemptions(llm)
-    schedule, scheduled = core.scheduler.schedule, []
-
-    def schedule_noting_steps_in_flight():
-        output = schedule()
-        if not output.is_empty:
-            scheduled.append((len(core._in_flight), bool(output.scheduled_spec_decode_tokens)))
-        return output
-
-    core.scheduler.schedule = schedule_noting_steps_in_flight
+    scheduled = note_steps_in_flight(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == reference[tuple(prompt)].token_ids[:32]

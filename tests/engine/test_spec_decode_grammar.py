@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.config import SpeculativeConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import EngineCoreRequest
-from engine.sched import Scheduler
 from engine.sched.output import GrammarBitmask
-from engine.structured_output import StructuredOutputManager, StructuredOutputsParams
+from engine.structured_output import StructuredOutputsParams
 from engine.worker.model_runner import ModelRunner
 from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.support.scheduler import grammar_scheduler
 
 VOCAB = 512
 K = 4
@@ -41,11 +41,8 @@ def tokenizer():
 
 @pytest.fixture
 def scheduler(tokenizer):
-    manager = StructuredOutputManager(lambda: tokenizer, VOCAB)
-    yield Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-                    CacheConfig(block_size=4), 64, structured_output=manager,
-                    speculative_config=SpeculativeConfig(num_speculative_tokens=K))
-    manager.shutdown()
+    with grammar_scheduler(tokenizer, VOCAB, SpeculativeConfig(num_speculative_tokens=K)) as s:
+        yield s
 
 
 def ids(tokenizer, text: str) -> list[int]:

@@ -23,7 +23,7 @@ from engine.config import SpeculativeConfig
 from engine.request import EngineCoreRequest
 from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import count_preemptions, make_prompts
-from tests.support.spec_decode import SpecCounts, assert_all_blocks_free
+from tests.support.spec_decode import SpecCounts, assert_all_blocks_free, note_steps_in_flight
 
 K = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -108,17 +108,8 @@ def test_async_scheduling_never_overlaps_a_drafting_step(target, one_layer_draft
     steps overlap."""
     llm = LLM(target, speculative_config={**spec(target), "disable_by_batch_size": 2},
               async_scheduling=True, **HARD)
-    core = llm.engine_core
     counts = SpecCounts(llm)
-    schedule, scheduled = core.scheduler.schedule, []
-
-    def schedule_noting_steps_in_flight():
-        output = schedule()
-        if not output.is_empty:
-            scheduled.append((len(core._in_flight), bool(output.scheduled_spec_decode_tokens)))
-        return output
-
-    core.scheduler.schedule = schedule_noting_steps_in_flight
+    scheduled = note_steps_in_flight(llm)
     assert_equals_reference(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, reference)
     assert any(in_flight for in_flight, _ in scheduled)
     assert not any(in_flight and drafts for in_flight, drafts in scheduled)

@@ -10,14 +10,13 @@ import time
 import pytest
 import torch
 
-from engine.config import CacheConfig, SchedulerConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sample import Sampler, SamplingState
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.sched import Scheduler
-from engine.structured_output import StructuredOutputManager, StructuredOutputsParams
+from engine.structured_output import StructuredOutputsParams
 from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.support.scheduler import grammar_scheduler
 
 VOCAB = 512
 
@@ -29,10 +28,8 @@ def tokenizer():
 
 @pytest.fixture
 def scheduler(tokenizer):
-    manager = StructuredOutputManager(lambda: tokenizer, VOCAB)
-    yield Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
-                    CacheConfig(block_size=4), 64, structured_output=manager)
-    manager.shutdown()
+    with grammar_scheduler(tokenizer, VOCAB) as s:
+        yield s
 
 
 def add(scheduler, req_id, tokenizer, kind=None, spec="", after_token_id=None, **params):

@@ -5,10 +5,11 @@ Shared by tests/unit/sched/ and tests/server/test_metrics.py.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.outputs import EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, Request
 from engine.sampling_params import SamplingParams
@@ -125,3 +126,20 @@ def waiting_ids(scheduler: Scheduler) -> list[str]:
 
 def running_ids(scheduler: Scheduler) -> list[str]:
     return [request.req_id for request in scheduler.running]
+
+
+@contextlib.contextmanager
+def grammar_scheduler(tokenizer, vocab_size: int,
+                      speculative_config: SpeculativeConfig | None = None
+                      ) -> Iterator[Scheduler]:
+    """A small scheduler with a structured-output manager over `tokenizer` (shut down on
+    exit): tests/engine/test_structured_engine.py and test_spec_decode_grammar.py."""
+    from engine.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(lambda: tokenizer, vocab_size)
+    try:
+        yield Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+                        CacheConfig(block_size=4), 64, structured_output=manager,
+                        speculative_config=speculative_config)
+    finally:
+        manager.shutdown()

@@ -32,3 +32,20 @@ def assert_all_blocks_free(llm: LLM) -> None:
     manager = llm.engine_core.scheduler.kv_cache_manager
     assert manager.block_pool.get_num_free_blocks() == manager.num_blocks
     assert manager.req_to_blocks == {}
+
+
+def note_steps_in_flight(llm: LLM) -> list[tuple[int, bool]]:
+    """Wraps the scheduler: one (steps in flight when it was scheduled, carries drafts)
+    per non-empty step from now on, in the returned list (async scheduling's rule: a step
+    with drafts is scheduled with nothing in flight)."""
+    core = llm.engine_core
+    schedule, scheduled = core.scheduler.schedule, []
+
+    def schedule_noting_steps_in_flight():
+        output = schedule()
+        if not output.is_empty:
+            scheduled.append((len(core._in_flight), bool(output.scheduled_spec_decode_tokens)))
+        return output
+
+    core.scheduler.schedule = schedule_noting_steps_in_flight
+    return scheduled
