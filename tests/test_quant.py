@@ -82,8 +82,8 @@ def test_kernel_matches_torch_reference(spec, num_rows, out_features, in_feature
     bias = torch.randn(out_features)
     # The kernel's own arithmetic (activations rounded to int16 per group of 32) ...
     data, scales, mins = qw.canonical()
-    # int4 weights with a multiple of 16 outputs are held in blocks of 16 (int4_blocked.cpp)
-    assert qw.blocked == (spec.method == "int4" and out_features % 16 == 0)
+    # weights with a multiple of 16 outputs are held in blocks of 16 (quant_blocked.cpp)
+    assert qw.blocked == (out_features % 16 == 0)
     q = unpack_int4(data) if spec.method == "int4" else data
     exact = quant_linear_ref(x, q, scales, mins) + bias
     torch.testing.assert_close(qw.matmul(x, bias), exact, atol=1e-5, rtol=1e-5)
