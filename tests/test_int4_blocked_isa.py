@@ -73,7 +73,7 @@ def test_blocked_builds_match_the_reference(isa, tmp_path):
         assert w.blocked
         data, scales, mins = w.canonical()
         q = unpack_int4(data) if spec.method == "int4" else data
-        for rows in (1, 5, 8, 13):
+        for rows in (1, 3, 8, 13):  # 13: passes of 8 and 5 rows
             x = torch.randn(rows, 320)
             out = ext.linear(x, w.data, w.scales, w.mins)
             expected = quant_linear_ref(x, q, scales, mins)

@@ -215,10 +215,12 @@ def test_blocked_rows_do_not_depend_on_their_batch(spec):
     torch.manual_seed(3)
     qw = quantize(torch.randn(48, 256) * 0.1, spec, max_rows=1 << 20)
     assert qw.blocked
-    x = torch.randn(13, 256)  # blocks of 8, 4 and 1 rows
+    x = torch.randn(15, 256)  # a pass of 8 rows and one of 7
     together = qw.matmul(x, None)
-    for m in (0, 7, 8, 12):
+    for m in (0, 7, 8, 14):
         assert torch.equal(qw.matmul(x[m:m + 1], None)[0], together[m])
+    for rows in range(2, 8):  # the leftover passes of 2 .. 7 rows
+        assert torch.equal(qw.matmul(x[:rows], None), together[:rows])
 
 
 def test_quantized_linear_drops_its_dense_weight_and_serves_every_batch():

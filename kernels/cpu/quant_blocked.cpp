@@ -251,12 +251,21 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
       const uint16_t* bs = s + b * groups * kLanes;
       const uint16_t* bm = kInt8 ? nullptr : mn + b * groups * kLanes;
       float* o = op + b * kLanes;
+      // Rows 8 at a time, the rest in one pass: a block's weights are widened once per
+      // pass, so 3 rows in one pass cost about one row's loads, not three.
       int64_t m0 = 0;
       for (; m0 + 8 <= rows; m0 += 8)
         block_rows<kInt8, 8>(block, bs, bm, groups, a, cols, m0, o, num_out);
-      for (; m0 + 4 <= rows; m0 += 4)
-        block_rows<kInt8, 4>(block, bs, bm, groups, a, cols, m0, o, num_out);
-      for (; m0 < rows; ++m0) block_rows<kInt8, 1>(block, bs, bm, groups, a, cols, m0, o, num_out);
+      switch (rows - m0) {
+        case 7: block_rows<kInt8, 7>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 6: block_rows<kInt8, 6>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 5: block_rows<kInt8, 5>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 4: block_rows<kInt8, 4>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 3: block_rows<kInt8, 3>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 2: block_rows<kInt8, 2>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 1: block_rows<kInt8, 1>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        default: break;
+      }
     }
   });
   return out;
