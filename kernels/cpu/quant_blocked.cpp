@@ -379,32 +379,72 @@ void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
   }
 }
 
-// The same for blocked int8: per group the bytes are [pair p][lane j][2], so row j's 32
-// weights are the 16-bit words p * 16 + j for p = 0 .. 15 (a 16 x 16 transpose of
-// words), then scaled: W[16 b + j, 32 g + k] = scales[b, g, j] * q.
+// The same for blocked int8: per group the bytes are [pair p][lane j][2], a 16 x 16
+// matrix of 16-bit words M[p][j] (row j's columns 2p, 2p + 1), so row j's 32 weights are
+// column j of M (a transpose), then scaled: W[16 b + j, 32 g + k] = scales[b, g, j] * q.
 void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
                          float* dst) {
   const int64_t groups = packed.size(1), cols = groups * kGroup;
   constexpr int64_t bytes_per_group = kBytesPerGroup<true>;
-  const uint16_t* words = reinterpret_cast<const uint16_t*>(packed.data_ptr<int8_t>() +
-                                                            block * groups * bytes_per_group);
+  const int8_t* bytes = packed.data_ptr<int8_t>() + block * groups * bytes_per_group;
   const uint16_t* s = halves(scales) + block * groups * kLanes;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // Register i holds pairs 2i and 2i + 1 (M[2i][0..15], M[2i + 1][0..15]). One vpermw
+  // interleaves them, dword j = (M[2i][j], M[2i + 1][j]): row j's columns 4i .. 4i + 3,
+  // and qword k = rows 2k, 2k + 1. An 8 x 8 transpose of qwords (3 stages of vpermt2q:
+  // at stage s, registers a and a + 2^s swap the halves whose qword index has bit s
+  // set) leaves in register k qword i = (row 2k, row 2k + 1) columns 4i .. 4i + 3, and
+  // one vpermd makes it row 2k's 32 bytes, then row 2k + 1's.
+  alignas(64) int16_t interleave[32];
+  for (int j = 0; j < 16; ++j) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
+  const __m512i pairs_to_rows = _mm512_load_si512(interleave);
+  __m512i stage_low[3], stage_high[3];
+  for (int st = 0; st < 3; ++st) {
+    const int stride = 1 << st;
+    alignas(64) int64_t low[8], high[8];
+    for (int k = 0; k < 8; ++k) {
+      const bool upper = k & stride;
+      low[k] = upper ? 8 + k - stride : k;   // from register a, or b's lower qword
+      high[k] = upper ? 8 + k : k + stride;  // a's upper qword, or from register b
+    }
+    stage_low[st] = _mm512_load_si512(low);
+    stage_high[st] = _mm512_load_si512(high);
+  }
+  const __m512i rows_apart = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t g = 0; g < groups; ++g) {
-    uint16_t rows[kLanes][kLanes];  // rows[j] = row j's 32 int8 of the group
-    for (int p = 0; p < kLanes; ++p)
-      for (int j = 0; j < kLanes; ++j) rows[j][p] = words[g * kLanes * kLanes + p * kLanes + j];
-    for (int j = 0; j < kLanes; ++j) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(rows[j]);
-      const float scale = half_to_float(s[g * kLanes + j]);
-      float* y = dst + j * cols + g * kGroup;
-#if defined(__AVX512F__)
-      for (int k = 0; k < kGroup; k += 16)
-        _mm512_storeu_ps(y + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)))),
-                                              _mm512_set1_ps(scale)));
-#else
-      for (int k = 0; k < kGroup; ++k) y[k] = scale * static_cast<float>(q[k]);
-#endif
+    __m512i r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm512_permutexvar_epi16(
+          pairs_to_rows, _mm512_loadu_si512(bytes + g * bytes_per_group + 64 * i));
+    for (int st = 0; st < 3; ++st)
+      for (int a = 0; a < 8; ++a)
+        if (!(a & (1 << st))) {
+          const int b = a + (1 << st);
+          const __m512i low = _mm512_permutex2var_epi64(r[a], stage_low[st], r[b]);
+          r[b] = _mm512_permutex2var_epi64(r[a], stage_high[st], r[b]);
+          r[a] = low;
+        }
+    for (int k = 0; k < 8; ++k) {
+      const __m512i two_rows = _mm512_permutexvar_epi32(rows_apart, r[k]);
+      // Quarter c: 16 weights of row 2k + c / 2 (the index of an extract is an immediate).
+      const __m128i quarters[4] = {
+          _mm512_extracti32x4_epi32(two_rows, 0), _mm512_extracti32x4_epi32(two_rows, 1),
+          _mm512_extracti32x4_epi32(two_rows, 2), _mm512_extracti32x4_epi32(two_rows, 3)};
+      for (int c = 0; c < 4; ++c) {
+        const int j = 2 * k + c / 2;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarters[c]));
+        _mm512_storeu_ps(dst + j * cols + g * kGroup + 16 * (c % 2),
+                         _mm512_mul_ps(q, _mm512_set1_ps(half_to_float(s[g * kLanes + j]))));
+      }
     }
   }
+#else
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < kLanes; ++j) {
+      const float scale = half_to_float(s[g * kLanes + j]);
+      float* y = dst + j * cols + g * kGroup;
+      for (int k = 0; k < kGroup; ++k)  // column k = pair k / 2, its value k % 2
+        y[k] = scale * static_cast<float>(bytes[g * bytes_per_group + (k / 2) * 32 + 2 * j + k % 2]);
+    }
+#endif
 }
