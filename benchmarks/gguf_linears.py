@@ -2,6 +2,7 @@
 
     python -m benchmarks.gguf_linears                 # a 1B Llama layer's shapes, Q4_K/Q6_K/int4/int8
     python -m benchmarks.gguf_linears --rows 1 8 32 --dtype float32
+    python -m benchmarks.gguf_linears --shapes lm_head --formats int8 int8-rowmajor --rows 1 4 8
 
 For one decoder layer of a Llama with hidden 2048, intermediate 8192 and 8 KV heads of 64
 (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192), random weights in
@@ -10,6 +11,12 @@ the few-row kernel (integer, batch invariant) and on the tiled path (decoded til
 one matmul in `--dtype`). The crossover is where `default_max_rows` (engine.models.quant)
 should sit for this CPU; the weights of 8 layers are cycled so they come from memory, not
 from the cache, as in a real forward pass. Prints the CPU's SIMD flags first.
+
+int4 / int8 weights whose output count is a multiple of 16 (all of these) are held in
+blocks of 16 output rows (kernels/cpu/quant_blocked.cpp), as the server holds them;
+"int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
+layout for comparison. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
+Q8_0 in its GGUF, so int8) instead of the layer.
 """
 
 from __future__ import annotations
@@ -25,8 +32,13 @@ from benchmarks.compare_servers import cpu_flags
 from engine.models.quant import QuantSpec, quantize
 from kernels.cpu_kernels import cpu_kernels
 
-SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
-LAYERS = 8
+SHAPE_SETS = {
+    "layer": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+              "down": (2048, 8192)},
+    "lm_head": {"lm_head": (49152, 576)},
+}
+PACKED = ("int4", "int8", "int4-rowmajor", "int8-rowmajor")  # engine.models.quant formats
+LAYERS = 8  # copies of the weights, cycled so that they come from memory
 
 
 def random_rows(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng) -> torch.Tensor:
@@ -39,13 +51,19 @@ def random_rows(ggml_type: GGMLQuantizationType, rows: int, cols: int, rng) -> t
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
-def layer_weights(fmt: str, rng) -> list[dict]:
+def packed_weight(fmt: str, n: int, k: int) -> tuple:
+    """(data, scales, mins) of a random int4/int8 weight, blocked or ("-rowmajor") not."""
+    w = quantize(torch.randn(n, k) * 0.02, QuantSpec(fmt.removesuffix("-rowmajor")), max_rows=0)
+    return w.canonical() if fmt.endswith("-rowmajor") else (w.data, w.scales, w.mins)
+
+
+def layer_weights(fmt: str, shapes: dict, rng, copies: int = LAYERS) -> list[dict]:
     layers = []
-    for _ in range(LAYERS):
+    for _ in range(copies):
         weights = {}
-        for name, (n, k) in SHAPES.items():
-            if fmt in ("int4", "int8"):
-                weights[name] = quantize(torch.randn(n, k) * 0.02, QuantSpec(fmt), max_rows=0)
+        for name, (n, k) in shapes.items():
+            if fmt in PACKED:
+                weights[name] = packed_weight(fmt, n, k)
             else:
                 weights[name] = random_rows(GGMLQuantizationType[fmt], n, k, rng)
         layers.append(weights)
@@ -55,14 +73,16 @@ def layer_weights(fmt: str, rng) -> list[dict]:
 def run_layer(ops, fmt: str, weights: dict, xs: dict, tiled: bool) -> None:
     for name, w in weights.items():
         x = xs[name]
-        if fmt in ("int4", "int8"):
-            mins = w.mins if w.mins is not None else torch.empty(0)
+        if fmt in PACKED:
+            data, scales, mins = w
+            int4 = fmt.startswith("int4")
             if tiled:
-                ops.quant_tiled_linear(x, w.data, w.scales, mins, 4 if fmt == "int4" else 8)
-            elif fmt == "int4":
-                ops.int4_linear(x.float(), w.data, w.scales, w.mins)
+                ops.quant_tiled_linear(x, data, scales, mins if int4 else torch.empty(0),
+                                       4 if int4 else 8)
+            elif int4:
+                ops.int4_linear(x.float(), data, scales, mins)
             else:
-                ops.int8_linear(x.float(), w.data, w.scales)
+                ops.int8_linear(x.float(), data, scales)
         else:
             ops.gguf_linear(x, w, int(GGMLQuantizationType[fmt]), 0 if tiled else 1 << 30)
 
@@ -79,26 +99,35 @@ def best_ms(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "int4", "int8"])
+    parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "int4", "int8"],
+                        help=f"GGML type names or {', '.join(PACKED)}")
+    parser.add_argument("--shapes", default="layer", choices=sorted(SHAPE_SETS))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=LAYERS,
+                        help="copies of the weights cycled (fewer: a quick check, cached weights)")
     args = parser.parse_args(argv)
     ops = cpu_kernels()
+    shapes = SHAPE_SETS[args.shapes]
     dtype = getattr(torch, args.dtype)
     print(f"CPU flags: {cpu_flags()}; threads {torch.get_num_threads()}; tiles in {args.dtype}")
-    print("ms per layer (4 linears), few-row kernel / tiled path:")
+    print(f"ms per {args.shapes} ({', '.join(shapes)}), few-row kernel / tiled path:")
     rng = np.random.default_rng(0)
     for fmt in args.formats:
-        layers = layer_weights(fmt, rng)
+        block = 32 if fmt in PACKED else GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0]
+        if any(k % block for _, k in shapes.values()):
+            print(f"{fmt:>13}  skipped: its blocks of {block} do not divide these shapes' K")
+            continue
+        layers = layer_weights(fmt, shapes, rng, args.layers)
         cells = []
         for rows in args.rows:
-            xs = {name: torch.randn(rows, k).to(dtype) for name, (_, k) in SHAPES.items()}
+            xs = {name: torch.randn(rows, k).to(dtype) for name, (_, k) in shapes.items()}
             times = [best_ms(lambda f=fmt, x=xs, ls=layers, t=tiled:
-                             [run_layer(ops, f, w, x, t) for w in ls], args.repeats) / LAYERS
+                             [run_layer(ops, f, w, x, t) for w in ls], args.repeats) / args.layers
                      for tiled in (False, True)]
             cells.append(f"{rows}: {times[0]:.2f} / {times[1]:.2f}")
-        print(f"{fmt:>5}  " + "   ".join(cells), flush=True)
+        print(f"{fmt:>13}  " + "   ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

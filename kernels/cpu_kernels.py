@@ -6,7 +6,7 @@
   batch 64 and ~500-token contexts that gather moves more bytes per step than the
   attention itself reads.
 - `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
-  (`int4_blocked.cpp`: int4 in blocks of 16 output rows, the layout for wide batches)
+  (`quant_blocked.cpp`: int4/int8 in blocks of 16 output rows, the layout for wide batches)
   with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 - `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
   residual add, RoPE, SiLU x up, the KV-cache write), one call each.
@@ -38,7 +38,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_attention.cpp", "quant_linear.cpp", "int4_blocked.cpp", "gguf_linear.cpp",
+           for name in ("paged_attention.cpp", "quant_linear.cpp", "quant_blocked.cpp", "gguf_linear.cpp",
                         "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()

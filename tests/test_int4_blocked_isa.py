@@ -1,12 +1,11 @@
-"""The blocked int4 kernel's AVX2, AVX-512-without-VNNI and portable builds.
+"""The blocked int4 / int8 kernels' AVX2, AVX-512-without-VNNI and portable builds.
 
 The server builds kernels/cpu/ with -march=native, so one machine runs one version of
-kernels/cpu/int4_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
+kernels/cpu/quant_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
 is also built for AVX2 only, AVX-512 without VNNI and no SIMD at all, and checked against
-the reference, bitwise batch invariance and the tiled path's block decoder included.
+the reference, bitwise batch invariance and the tiled path's block decoders included.
 Three extra compiles (~40 s each): extended.
 """
-
 from __future__ import annotations
 
 import shutil
@@ -22,17 +21,26 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 BINDING = r"""
 #include <torch/extension.h>
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
 void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t block, float* dst);
-at::Tensor decode_all(at::Tensor packed, at::Tensor scales, at::Tensor mins) {
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
+                         float* dst);
+at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> mins) {
+  return mins ? blocked_int4_linear(x, packed, scales, *mins) : blocked_int8_linear(x, packed, scales);
+}
+at::Tensor decode_all(at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> mins) {
   const int64_t blocks = packed.size(0), cols = packed.size(1) * 32;
   at::Tensor out = at::empty({blocks * 16, cols}, at::kFloat);
-  for (int64_t b = 0; b < blocks; ++b)
-    decode_blocked_int4(packed, scales, mins, b, out.data_ptr<float>() + b * 16 * cols);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* dst = out.data_ptr<float>() + b * 16 * cols;
+    if (mins) decode_blocked_int4(packed, scales, *mins, b, dst);
+    else decode_blocked_int8(packed, scales, b, dst);
+  }
   return out;
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &blocked_int4_linear);
+  m.def("linear", &linear);
   m.def("decode_all", &decode_all);
 }
 """
@@ -45,7 +53,7 @@ FLAGS = {"avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O2", "-mno
 @pytest.mark.extended
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 @pytest.mark.parametrize("isa", sorted(FLAGS))
-def test_blocked_int4_builds_match_the_reference(isa, tmp_path):
+def test_blocked_builds_match_the_reference(isa, tmp_path):
     from torch.utils.cpp_extension import load
 
     from engine import cpu_info
@@ -55,18 +63,20 @@ def test_blocked_int4_builds_match_the_reference(isa, tmp_path):
 
     binding = tmp_path / "binding.cpp"
     binding.write_text(BINDING)
-    ext = load(name=f"pagedserve_int4_blocked_{isa.replace('-', '_')}",
-               sources=[str(binding), str(KERNELS / "int4_blocked.cpp")],
+    ext = load(name=f"pagedserve_quant_blocked_{isa.replace('-', '_')}",
+               sources=[str(binding), str(KERNELS / "quant_blocked.cpp")],
                extra_cflags=FLAGS[isa] + ["-fopenmp"], extra_include_paths=[str(KERNELS)],
                build_directory=str(tmp_path))
     torch.manual_seed(0)
-    for symmetric in (False, True):
-        w = quantize(torch.randn(48, 320) * 0.1, QuantSpec("int4", symmetric), max_rows=64)
+    for spec in (QuantSpec("int4"), QuantSpec("int4", symmetric=True), QuantSpec("int8")):
+        w = quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)
+        assert w.blocked
         data, scales, mins = w.canonical()
-        for rows in (1, 5, 8, 13):
+        q = unpack_int4(data) if spec.method == "int4" else data
+        for rows in (1, 3, 8, 13):  # 13: passes of 8 and 5 rows
             x = torch.randn(rows, 320)
             out = ext.linear(x, w.data, w.scales, w.mins)
-            expected = quant_linear_ref(x, unpack_int4(data), scales, mins)
+            expected = quant_linear_ref(x, q, scales, mins)
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
             for m in range(rows):
                 assert torch.equal(ext.linear(x[m:m + 1], w.data, w.scales, w.mins)[0], out[m])

@@ -19,9 +19,13 @@ from engine.models.quant import (
     KERNEL_CALLS,
     QuantSpec,
     block_int4,
+    block_int8,
+    default_max_rows,
+    kernel_kind,
     pack_int4,
     quantize,
     unblock_int4,
+    unblock_int8,
     unpack_int4,
 )
 from engine.models.weight_utils import map_weight_name
@@ -82,8 +86,8 @@ def test_kernel_matches_torch_reference(spec, num_rows, out_features, in_feature
     bias = torch.randn(out_features)
     # The kernel's own arithmetic (activations rounded to int16 per group of 32) ...
     data, scales, mins = qw.canonical()
-    # int4 weights with a multiple of 16 outputs are held in blocks of 16 (int4_blocked.cpp)
-    assert qw.blocked == (spec.method == "int4" and out_features % 16 == 0)
+    # weights with a multiple of 16 outputs are held in blocks of 16 (quant_blocked.cpp)
+    assert qw.blocked == (out_features % 16 == 0)
     q = unpack_int4(data) if spec.method == "int4" else data
     exact = quant_linear_ref(x, q, scales, mins) + bias
     torch.testing.assert_close(qw.matmul(x, bias), exact, atol=1e-5, rtol=1e-5)
@@ -134,16 +138,89 @@ def test_blocked_int4_layout_worked_example_and_round_trip():
     assert torch.equal(unpack_int4(data), q[ids]) and torch.equal(s2, scales[ids])
 
 
+def test_blocked_int8_layout_worked_example_and_round_trip():
+    # Every row's group 0 starts q = (1, -2, 3, 4): block 0, group 0 begins with pair 0
+    # of rows 0..15 (1 -2 1 -2 ...), then pair 1 (3 4 3 4 ...).
+    q = torch.randint(-128, 128, (32, 64), dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(1))
+    q[:, :4] = torch.tensor([1, -2, 3, 4], dtype=torch.int8)
+    q[5, 2:4] = torch.tensor([-128, 127], dtype=torch.int8)  # row 5's pair 1
+    scales = torch.rand(32, 2).half()
+    blocked, bscales = block_int8(q, scales)
+    assert blocked.shape == (2, 2, 512) and blocked.dtype == torch.int8
+    assert bscales.shape == (2, 2, 16)
+    assert blocked[0, 0, :4].tolist() == [1, -2, 1, -2]
+    assert blocked[0, 0, 32:36].tolist() == [3, 4, 3, 4]
+    assert blocked[0, 0, 32 + 10:32 + 12].tolist() == [-128, 127]  # lane 5 of pair 1
+    # block 1, group 1, pair 3, lane 2: row 18, column 32 + 6
+    assert blocked[1, 1, 3 * 32 + 2 * 2].item() == q[18, 38].item()
+    assert torch.equal(bscales[1, 0], scales[16:32, 0])  # lane j = row 16 b + j
+    data, s2 = unblock_int8(blocked, bscales)
+    assert torch.equal(data, q) and torch.equal(s2, scales)
+    ids = torch.tensor([31, 0, 17, 17])
+    data, s2 = unblock_int8(blocked, bscales, ids)
+    assert torch.equal(data, q[ids]) and torch.equal(s2, scales[ids])
+
+
+def test_blocked_int8_weight_reads_back_its_rows():
+    """canonical / dequantize_rows (the tied embedding's lookup) see the row-major values."""
+    weight = torch.randn(48, 96)
+    qw = quantize(weight, QuantSpec("int8"), max_rows=0)
+    assert qw.blocked and kernel_kind(qw.spec, 48) == "int8-blocked"
+    row_major = quantize(weight[:40], qw.spec)  # 40 outputs: no whole blocks, not blocked
+    assert kernel_kind(qw.spec, 40) == "int8" and not row_major.blocked
+    data, scales, mins = qw.canonical()
+    assert mins is None and data.shape == (48, 96) and scales.shape == (48, 3)
+    assert torch.equal(data[:40], row_major.data) and torch.equal(scales[:40], row_major.scales)
+    ids = torch.tensor([47, 3, 16, 3])
+    data_ids, scales_ids, _ = qw.canonical(ids)
+    assert torch.equal(data_ids, data[ids]) and torch.equal(scales_ids, scales[ids])
+    values = data.float().view(48, 3, 32) * scales.float().unsqueeze(-1)
+    assert torch.equal(qw.dequantize_rows(ids), values.view(48, 96)[ids])
+    assert torch.equal(qw.dequantized(), values.view(48, 96))
+
+
 @needs_kernels
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_blocked_int4_rows_do_not_depend_on_their_batch(symmetric):
+def test_blocked_int8_matches_the_reference_on_both_sides_of_max_rows():
+    """Few-row blocked kernel up to max_rows, the tiled path (decoding the blocked layout)
+    above it: both against the row-major layout's reference."""
+    torch.manual_seed(5)
+    max_rows = default_max_rows("int8-blocked")
+    qw = quantize(torch.randn(64, 160) * 0.1, QuantSpec("int8"))
+    assert qw.blocked and qw.max_rows == max_rows
+    data, scales, _ = qw.canonical()
+    dense = qw.dequantized()
+    for rows in sorted({1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 17, max(max_rows, 1),
+                        max_rows + 1}):
+        x = torch.randn(rows, 160)
+        path = "int8" if qw.serves(rows) else "tiled"
+        before = KERNEL_CALLS[path]
+        out = qw.matmul(x, None)
+        assert KERNEL_CALLS[path] == before + 1
+        if path == "int8":
+            torch.testing.assert_close(out, quant_linear_ref(x, data, scales, None),
+                                       atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out, x @ dense.T, atol=1e-4, rtol=1e-4)
+    module = kernels.cpu_kernels.cpu_kernels()
+    with pytest.raises(RuntimeError, match="scales"):
+        module.int8_linear(torch.randn(2, 160), qw.data, scales)  # row-major scales
+    with pytest.raises(RuntimeError, match="columns"):
+        module.int8_linear(torch.randn(2, 128), qw.data, qw.scales)
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_blocked_rows_do_not_depend_on_their_batch(spec):
     torch.manual_seed(3)
-    qw = quantize(torch.randn(48, 256) * 0.1, QuantSpec("int4", symmetric), max_rows=1 << 20)
+    qw = quantize(torch.randn(48, 256) * 0.1, spec, max_rows=1 << 20)
     assert qw.blocked
-    x = torch.randn(13, 256)  # blocks of 8, 4 and 1 rows
+    x = torch.randn(15, 256)  # a pass of 8 rows and one of 7
     together = qw.matmul(x, None)
-    for m in (0, 7, 8, 12):
+    for m in (0, 7, 8, 14):
         assert torch.equal(qw.matmul(x[m:m + 1], None)[0], together[m])
+    for rows in range(2, 8):  # the leftover passes of 2 .. 7 rows
+        assert torch.equal(qw.matmul(x[:rows], None), together[:rows])
 
 
 def test_quantized_linear_drops_its_dense_weight_and_serves_every_batch():

@@ -4,9 +4,9 @@ A `Linear` may hold its weight as a `QuantizedWeight` instead of a dense tensor:
 weight in 4 or 8 bits with float16 scales (and mins) per group of 32 (the layout and
 precision of GGUF's Q4_0 / Q4_1 / Q8_0, which therefore run exactly: 0.625 bytes per
 int4 weight). There is no dense copy beside it. Batches of at most `max_rows` rows (decode
-steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp` (int4 weights with a
-multiple of 16 outputs: `kernels/cpu/int4_blocked.cpp`, held in blocks of 16 output rows,
-see `block_int4`), which read 5-6x fewer bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
+steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp` (weights with a multiple
+of 16 outputs: `kernels/cpu/quant_blocked.cpp`, held in blocks of 16 output rows, see
+`block_int4` / `block_int8`), which read 5-6x fewer bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
 larger batches (prefill chunks, wide decode batches) decode a tile of weight rows at a
 time into the activations' dtype and multiply it with one matmul
 (`kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
@@ -37,7 +37,7 @@ from engine import batch_invariant, cpu_info
 
 QuantMethod = Literal["int8", "int4"]
 GROUP_SIZE = 32
-BLOCK_ROWS = 16  # output rows per block of the blocked int4 layout
+BLOCK_ROWS = 16  # output rows per block of the blocked int4 / int8 layouts
 
 # Calls of each quantized kernel since start-up: tests check the kernel really ran.
 # "int4"/"int8": the few-row kernels; "tiled": a many-row call decoding tiles.
@@ -46,8 +46,8 @@ KERNEL_CALLS: Counter[str] = Counter()
 
 def default_max_rows(kind: str = "int4") -> int:
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
-    (decoded tiles and one matmul) on this CPU; `kind` "int4" (row-major), "int4-blocked"
-    (blocks of 16 output rows), "int8" or "gguf" (the K-quant kernels of
+    (decoded tiles and one matmul) on this CPU; `kind` "int4" / "int8" (row-major),
+    "int4-blocked" / "int8-blocked" (blocks of 16 output rows) or "gguf" (the K-quant kernels of
     kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind.
 
     `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: always the tiled path). Measured with
@@ -60,9 +60,13 @@ def default_max_rows(kind: str = "int4") -> int:
     if override:
         return int(override)
     if kind == "int4-blocked" and cpu_info.vector_isa() == "avx512":
-        # Blocked int4 (kernels/cpu/int4_blocked.cpp), bfloat16 tiles, ms per layer
+        # Blocked int4 (kernels/cpu/quant_blocked.cpp), bfloat16 tiles, ms per layer
         # few-row / tiled: 8 rows 7.1 / 50.0, 32: 23.6 / 54.4, 64: 36.8 / 60.4.
         return 64
+    if kind == "int8-blocked" and cpu_info.vector_isa() == "avx512":
+        # Blocked int8: the same instructions per weight as blocked int4, twice the
+        # bytes. Not measured yet: a conservative half of blocked int4's 64.
+        return 32
     if not cpu_info.native_bf16_reason():
         # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
         # 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a float32 matmul's 242.5 at 32.)
@@ -75,8 +79,8 @@ def default_max_rows(kind: str = "int4") -> int:
 
 def kernel_kind(spec: QuantSpec, out_features: int) -> str:
     """The `default_max_rows` kind of a weight of `spec` with `out_features` outputs."""
-    if spec.method == "int4" and out_features % BLOCK_ROWS == 0:
-        return "int4-blocked"
+    if out_features % BLOCK_ROWS == 0:
+        return f"{spec.method}-blocked"
     return spec.method
 
 
@@ -102,12 +106,16 @@ class QuantizedWeight:
         self.spec = spec
         self.out_features = scales.shape[0]
         self.in_features = scales.shape[1] * GROUP_SIZE
-        if spec.method == "int4" and self.out_features % BLOCK_ROWS == 0:
-            data, scales, mins = block_int4(data, scales, mins)
+        if self.out_features % BLOCK_ROWS == 0:
+            if spec.method == "int4":
+                data, scales, mins = block_int4(data, scales, mins)
+            else:
+                data, scales = block_int8(data, scales)
         # int4: uint8 [N, K / 2] (two per byte), or blocked [N / 16, K / 32, 256] (see
-        # block_int4) when N is a multiple of 16; int8: int8 [N, K].
+        # block_int4) when N is a multiple of 16; int8: int8 [N, K], or blocked
+        # [N / 16, K / 32, 512] (see block_int8).
         self.data = data
-        self.scales = scales  # float16 [N, K / 32]; blocked int4: [N / 16, K / 32, 16]
+        self.scales = scales  # float16 [N, K / 32]; blocked: [N / 16, K / 32, 16]
         self.mins = mins  # int4: float16 shaped like scales; int8: None
         self.max_rows = max_rows
         self._kernel = _kernels()
@@ -116,11 +124,17 @@ class QuantizedWeight:
     def blocked(self) -> bool:
         return self.data.dim() == 3
 
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(data, scales, mins) in the row-major layout ([N, K / 2] int4, [N, K / 32])."""
+    def canonical(self, ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(data, scales, mins) of output rows `ids` (all for None) in the row-major layout
+        (int4 [N, K / 2], int8 [N, K]; scales and mins [N, K / 32])."""
         if self.blocked:
-            return unblock_int4(self.data, self.scales, self.mins)
-        return self.data, self.scales, self.mins
+            if self.spec.method == "int4":
+                return unblock_int4(self.data, self.scales, self.mins, ids)
+            return (*unblock_int8(self.data, self.scales, ids), None)
+        if ids is None:
+            return self.data, self.scales, self.mins
+        return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
 
     @property
     def num_bytes(self) -> int:
@@ -164,13 +178,7 @@ class QuantizedWeight:
 
     def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (all rows for None) of the float32 weight: an embedding lookup."""
-        if self.blocked:
-            data, scales, mins = unblock_int4(self.data, self.scales, self.mins, ids)
-        else:
-            data, scales, mins = self.data, self.scales, self.mins
-            if ids is not None:
-                data, scales = data[ids], scales[ids]
-                mins = None if mins is None else mins[ids]
+        data, scales, mins = self.canonical(ids)
         n, k = data.shape[0], self.in_features
         if self.spec.method == "int8":
             q = data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
@@ -263,7 +271,7 @@ def block_int4(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-major int4 ([N, K / 2], scales/mins [N, K / 32]) -> blocks of 16 output rows.
 
-    The layout of kernels/cpu/int4_blocked.cpp (its header has the why): for block b,
+    The layout of kernels/cpu/quant_blocked.cpp (its header has the why): for block b,
     group g and quad t, 32 bytes where byte 2j holds q[16b + j, 32g + 4t] (low nibble)
     and q[.., 4t + 2] (high), byte 2j + 1 holds q[.., 4t + 1] and q[.., 4t + 3]; scales
     and mins [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's
@@ -294,3 +302,33 @@ def unblock_int4(blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # values (0, 1, 2, 3) of each quad
     q = q.reshape(ids.numel(), groups * GROUP_SIZE)
     return pack_int4(q), scales[block, :, lane].contiguous(), mins[block, :, lane].contiguous()
+
+
+def block_int8(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major int8 ([N, K], scales [N, K / 32]) -> blocks of 16 output rows.
+
+    The layout of kernels/cpu/quant_blocked.cpp: for block b and group g, 512 bytes
+    [pair p][lane j][2] where byte (p, j, i) = q[16b + j, 32g + 2p + i]; scales
+    [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's group 0
+    starts q = (1, -2, 3, 4), block 0, group 0 begins 1 -2 1 -2 ... (32 bytes: pair 0 of
+    rows 0..15), then 3 4 3 4 ... (pair 1).
+    """
+    n, k = data.shape
+    groups = k // GROUP_SIZE
+    q = data.view(n // BLOCK_ROWS, BLOCK_ROWS, groups, GROUP_SIZE // 2, 2)
+    q = q.permute(0, 2, 3, 1, 4)  # [block, group, pair, lane, 2 values]
+    blocked = q.reshape(n // BLOCK_ROWS, groups, BLOCK_ROWS * GROUP_SIZE).contiguous()
+    lanes = scales.view(n // BLOCK_ROWS, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
+    return blocked, lanes
+
+
+def unblock_int8(blocked: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `block_int8`, for output rows `ids` (all for None)."""
+    blocks, groups = blocked.shape[0], blocked.shape[1]
+    if ids is None:
+        ids = torch.arange(blocks * BLOCK_ROWS)
+    block, lane = ids // BLOCK_ROWS, ids % BLOCK_ROWS
+    pairs = blocked.view(blocks, groups, GROUP_SIZE // 2, BLOCK_ROWS, 2)[block, :, :, lane]
+    q = pairs.reshape(ids.numel(), groups * GROUP_SIZE)  # [R, G, 16 pairs, 2] -> [R, K]
+    return q.contiguous(), scales[block, :, lane].contiguous()

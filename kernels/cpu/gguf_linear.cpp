@@ -467,7 +467,7 @@ void floats_to_bf16(const float* x, c10::BFloat16* y, int64_t n) {
 
 // The many-row path: tiles of decoded weight rows in x's dtype, one at::mm each.
 // decode(n, dst) writes rows n .. n + unit - 1 (float32 [unit, K]) to dst; num_out is a
-// multiple of unit (1 for the row decoders, 16 for blocked int4).
+// multiple of unit (1 for the row decoders, 16 for blocked int4 / int8).
 at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode,
                  int64_t unit = 1) {
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -559,11 +559,24 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_r
 at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
                               int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  if (bits == 4 && is_blocked_int4(data)) {  // int4_blocked.cpp's layout
-    TORCH_CHECK(mins.defined() && mins.sizes() == scales.sizes(), "int4 needs mins");
+  if (is_blocked(data)) {  // quant_blocked.cpp's layouts
+    TORCH_CHECK(data.is_contiguous() && data.size(2) == (bits == 4 ? 256 : 512) &&
+                    data.scalar_type() == (bits == 4 ? at::kByte : at::kChar) &&
+                    scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                    scales.dim() == 3 && scales.size(0) == data.size(0) &&
+                    scales.size(1) == data.size(1) && scales.size(2) == 16,
+                "blocked weights [N / 16, K / 32, 256 (int4) or 512 (int8)] need contiguous "
+                "float16 scales [N / 16, K / 32, 16]");
+    TORCH_CHECK(bits == 8 || (mins.defined() && mins.sizes() == scales.sizes() &&
+                              mins.scalar_type() == at::kHalf && mins.is_contiguous()),
+                "int4 needs float16 mins shaped like scales");
     check_x(x, data.size(1) * 32);
     return tiled(x, data.size(0) * 16, [&](int64_t n, float* dst) {
-      decode_blocked_int4(data, scales, mins, n / 16, dst);
+      if (bits == 4) {
+        decode_blocked_int4(data, scales, mins, n / 16, dst);
+      } else {
+        decode_blocked_int8(data, scales, n / 16, dst);
+      }
     }, 16);
   }
   TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && scales.is_contiguous() &&

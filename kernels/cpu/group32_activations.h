@@ -1,4 +1,4 @@
-// Shared by the int4/int8 kernels (quant_linear.cpp, int4_blocked.cpp): x rounded to int16
+// Shared by the int4/int8 kernels (quant_linear.cpp, quant_blocked.cpp): x rounded to int16
 // per row and group of 32 columns, and float16 scale helpers. The rounding's error bound
 // is worked out at the top of quant_linear.cpp.
 #pragma once

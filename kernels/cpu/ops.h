@@ -16,12 +16,16 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
 void set_batch_invariant(bool enabled);
-// int4_blocked.cpp (int4 in blocks of 16 output rows: uint8 [N / 16, K / 32, 256])
-bool is_blocked_int4(const at::Tensor& packed);
+// quant_blocked.cpp (int4 / int8 in blocks of 16 output rows: uint8 [N / 16, K / 32, 256]
+// / int8 [N / 16, K / 32, 512]; is_blocked tells them from quant_linear.cpp's layouts)
+bool is_blocked(const at::Tensor& packed);
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                at::Tensor mins);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
 void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t block, float* dst);
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
+                         float* dst);
 // gguf_linear.cpp
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols);
 at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows);

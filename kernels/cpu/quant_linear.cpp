@@ -362,7 +362,7 @@ void set_batch_invariant(bool enabled) { g_batch_invariant.store(enabled); }
 
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                           at::Tensor mins) {
-  if (is_blocked_int4(packed)) return blocked_int4_linear(x, packed, scales, mins);
+  if (is_blocked(packed)) return blocked_int4_linear(x, packed, scales, mins);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 [N, K / 2] tensor");
@@ -376,6 +376,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
 }
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales) {
+  if (is_blocked(qweight)) return blocked_int8_linear(x, qweight, scales);
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar &&
                   qweight.is_contiguous(),
               "qweight must be a contiguous int8 [N, K] tensor");

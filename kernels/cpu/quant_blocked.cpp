@@ -1,0 +1,450 @@
+// int4 and int8 weights in blocks of 16 output rows: the decode-step kernels for wide
+// batches (several rows of x: many clients, or a speculative step's 1 + k rows).
+//
+// quant_linear.cpp's layouts keep each output row's groups together, so a row of x
+// against one group is one integer dot over 32 weights, and turning that dot's vector of
+// partial sums into a float costs a convert and an FMA per (row of x, output row, group):
+// with 8 rows of x that post-processing, not the multiply-adds, bounded the kernel (a 1B
+// Llama layer at 8 rows, int4: 15 ms against 3.4 ms at one row; SmolLM2's int8 lm_head:
+// 7.6 ms at 8 rows against 2.1 at one). Here the vector lanes are 16 output rows
+// instead: one multiply-add takes two weights of each of 16 output rows against one
+// broadcast pair of x's values, so after a group's 16 multiply-adds each lane holds its
+// output row's whole group dot and one convert + FMA scales 16 of them.
+//
+// Both layouts hand the multiply-adds, per block b (output rows 16 b .. 16 b + 15),
+// group g (32 input columns) and quad t (columns 4 t .. 4 t + 3 of the group), two
+// vectors of 16 lanes x 2 int16: lane j = (q[16 b + j, 4t], q[.., 4t + 1]) and
+// (q[.., 4t + 2], q[.., 4t + 3]), what vpdpwssd / madd multiply with the broadcast int32
+// (xq[4t], xq[4t + 1]) and (xq[4t + 2], xq[4t + 3]). (Columns relative to group g.)
+//
+// int4, uint8 [N / 16, K / 32, 256]: 32 bytes per quad at ((b G + g) 8 + t) 32, where
+//   byte 2 j     = q[16 b + j, 32 g + 4 t]     | q[16 b + j, 32 g + 4 t + 2] << 4
+//   byte 2 j + 1 = q[16 b + j, 32 g + 4 t + 1] | q[16 b + j, 32 g + 4 t + 3] << 4
+// so the low nibbles widened to int16 are the first pair and the high nibbles the second.
+// Example, block 0, group 0, quad 0 with q[j, 0..3] = (1, 2, 3, 4) for every j:
+// byte 2j = 0x31, 2j + 1 = 0x42.
+// int8, int8 [N / 16, K / 32, 512]: 64 bytes per quad at ((b G + g) 8 + t) 64, where
+//   byte 2 j      = q[16 b + j, 32 g + 4 t],     byte 2 j + 1      = q[.., 32 g + 4 t + 1]
+//   byte 32 + 2 j = q[16 b + j, 32 g + 4 t + 2], byte 32 + 2 j + 1 = q[.., 32 g + 4 t + 3]
+// so each 32 bytes sign-extended to int16 (vpmovsxbw) is one of the two vectors. That is,
+// per group the bytes are [pair p = 0..15][lane j][2]: the group's column pairs one
+// after another, 16 rows each. Example, q[j, 0..3] = (1, -2, 3, 4) for every j: bytes
+// 0 .. 31 of block 0, group 0 are 0x01 0xFE 0x01 0xFE ..., bytes 32 .. 63 0x03 0x04 ...
+// Scales (and int4's mins) are float16 [N / 16, G, 16] (lane j of group g = row 16 b + j).
+// engine.models.quant.block_int4 / block_int8 build these layouts from quant_linear.cpp's.
+//
+// Arithmetic (the same as quant_linear.cpp, so the same reference): x is rounded per row
+// and group of 32 to int16 with scale dx, and
+//   out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] dx[m, g] sum(xq[m, g])
+// (int8: no mins term). Each (m, n) takes the same instructions in the same order
+// whatever the batch: the kernel is batch invariant. Reference:
+// kernels.reference.quant_linear_ref.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "group32_activations.h"
+#include "spin_pool.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <c10/util/Half.h>
+
+namespace {
+
+using namespace pagedserve::group32;  // kGroup, half_to_float, halves, quantize_activations
+
+constexpr int64_t kLanes = 16;
+
+// Bytes of one block's group: 16 rows x 32 weights in 4 (int4) or 8 (int8) bits.
+template <bool kInt8>
+constexpr int64_t kBytesPerGroup = kInt8 ? 512 : 256;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+inline __m512i pair_dot(__m512i acc, __m512i w, int32_t x_pair) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x_pair));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x_pair)));
+#endif
+}
+
+// Quad t of a group's bytes as its two vectors of 16 lanes x 2 int16 (see the header).
+template <bool kInt8>
+inline void quad_weights(const uint8_t* bytes, int t, __m512i& w01, __m512i& w23) {
+  if (kInt8) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(bytes + 64 * t);
+    w01 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p));
+    w23 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p + 1));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * t));
+    w01 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low4));
+    w23 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  }
+}
+
+// out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes (mins: int4 only).
+template <bool kInt8, int R>
+void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
+                int64_t out_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
+    for (int t = 0; t < 8; ++t) {
+      __m512i w01, w23;
+      quad_weights<kInt8>(bytes, t, w01, w23);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* pairs =
+            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+        dot[r] = pair_dot(pair_dot(dot[r], w01, pairs[0]), w23, pairs[1]);
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(scales + g * kLanes)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+    }
+    if (!kInt8) {
+      const __m512 lowest = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(mins + g * kLanes)));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * out_stride, acc[r]);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+// Quad t's two vectors per half h of the block (lanes 0-7, 8-15): w[h][0], w[h][1].
+template <bool kInt8>
+inline void quad_weights(const uint8_t* bytes, int t, __m256i w[2][2]) {
+  if (kInt8) {
+    for (int i = 0; i < 2; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * t + 32 * i));
+      w[0][i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+      w[1][i] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    }
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * t));
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    w[0][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+    w[0][1] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+    w[1][0] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+    w[1][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+  }
+}
+
+// The same on 256-bit vectors: lanes 0-7 and 8-15 of the block in two registers.
+template <bool kInt8, int R>
+void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
+                int64_t out_stride) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
+    for (int t = 0; t < 8; ++t) {
+      __m256i w[2][2];
+      quad_weights<kInt8>(bytes, t, w);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* pairs =
+            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+        const __m256i x01 = _mm256_set1_epi32(pairs[0]), x23 = _mm256_set1_epi32(pairs[1]);
+        for (int h = 0; h < 2; ++h)
+          dot[r][h] = _mm256_add_epi32(
+              dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[h][0], x01),
+                                          _mm256_madd_epi16(w[h][1], x23)));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * groups + g;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                                    _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at])), acc[r][h]);
+      }
+      if (!kInt8) {
+        const __m256 lowest = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kLanes + 8 * h)));
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
+                                      acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + (m0 + r) * out_stride + 8 * h, acc[r][h]);
+}
+#else
+// Lane j's four weights of quad t (columns 4t .. 4t + 3 of the group).
+template <bool kInt8>
+inline void quad_lane(const uint8_t* bytes, int t, int j, int32_t q[4]) {
+  if (kInt8) {
+    const int8_t* b = reinterpret_cast<const int8_t*>(bytes + 64 * t + 2 * j);
+    q[0] = b[0], q[1] = b[1], q[2] = b[32], q[3] = b[33];
+  } else {
+    const uint8_t* b = bytes + 32 * t + 2 * j;
+    q[0] = b[0] & 15, q[1] = b[1] & 15, q[2] = b[0] >> 4, q[3] = b[1] >> 4;
+  }
+}
+
+template <bool kInt8, int R>
+void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+                int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
+                int64_t out_stride) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kLanes; ++j) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int t = 0; t < 8; ++t) {
+          int32_t q[4];
+          quad_lane<kInt8>(block + g * kBytesPerGroup<kInt8>, t, j, q);
+          const int16_t* x = a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t;
+          dot += q[0] * x[0] + q[1] * x[1] + q[2] * x[2] + q[3] * x[3];
+        }
+        const int64_t at = (m0 + r) * groups + g;
+        const float s = half_to_float(scales[g * kLanes + j]);
+        acc = std::fma(static_cast<float>(dot), s * a.scales[at], acc);
+        if (!kInt8) acc = std::fma(half_to_float(mins[g * kLanes + j]), a.sums[at], acc);
+      }
+      out[(m0 + r) * out_stride + j] = acc;
+    }
+}
+#endif
+
+// out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else nullptr).
+template <bool kInt8>
+at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
+                          const uint16_t* s, const uint16_t* mn) {
+  const int64_t cols = groups * kGroup;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
+  const int64_t rows = x.size(0), num_out = blocks * kLanes;
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, cols,
+                                                      /*pairs=*/false, /*transposed=*/false);
+  at::Tensor out = at::empty({rows, num_out}, x.options());
+  float* op = out.data_ptr<float>();
+  constexpr int64_t bytes = kBytesPerGroup<kInt8>;
+  pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = w + b * groups * bytes;
+      const uint16_t* bs = s + b * groups * kLanes;
+      const uint16_t* bm = kInt8 ? nullptr : mn + b * groups * kLanes;
+      float* o = op + b * kLanes;
+      // Rows 8 at a time, the rest in one pass: a block's weights are widened once per
+      // pass, so 3 rows in one pass cost about one row's loads, not three.
+      int64_t m0 = 0;
+      for (; m0 + 8 <= rows; m0 += 8)
+        block_rows<kInt8, 8>(block, bs, bm, groups, a, cols, m0, o, num_out);
+      switch (rows - m0) {
+        case 7: block_rows<kInt8, 7>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 6: block_rows<kInt8, 6>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 5: block_rows<kInt8, 5>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 4: block_rows<kInt8, 4>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 3: block_rows<kInt8, 3>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 2: block_rows<kInt8, 2>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        case 1: block_rows<kInt8, 1>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
+        default: break;
+      }
+    }
+  });
+  return out;
+}
+
+// Blocked scales/mins: contiguous float16 [blocks, groups, 16].
+void check_lanes(const at::Tensor& t, int64_t blocks, int64_t groups, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 &&
+                  t.size(0) == blocks && t.size(1) == groups && t.size(2) == kLanes,
+              "blocked ", what, " must be contiguous float16 [N / 16, K / 32, 16]");
+}
+
+void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes,
+                   const char* what) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == dtype && packed.is_contiguous() &&
+                  packed.size(2) == bytes,
+              "blocked ", what, " weights must be a contiguous [N / 16, K / 32, ", bytes, "] tensor");
+}
+
+}  // namespace
+
+bool is_blocked(const at::Tensor& packed) { return packed.dim() == 3; }
+
+at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                               at::Tensor mins) {
+  check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  check_lanes(scales, blocks, groups, "int4 scales");
+  check_lanes(mins, blocks, groups, "int4 mins");
+  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups, halves(scales),
+                               halves(mins));
+}
+
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
+  check_blocked(packed, at::kChar, kBytesPerGroup<true>, "int8 (int8)");
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  check_lanes(scales, blocks, groups, "int8 scales");
+  return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
+                              blocks, groups, halves(scales), nullptr);
+}
+
+// Block `block`'s 16 rows as float32 [16, K] (the tiled path's weights). For each group
+// and quad, the low and high nibbles interleaved by 16-bit units are, per 128-bit lane,
+// 4 rows x their 4 values in column order: [j v0 v1 v2 v3, j+1 v0 .. v3, ...].
+void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst) {
+  const int64_t groups = packed.size(1), cols = groups * kGroup;
+  const uint8_t* bytes = packed.data_ptr<uint8_t>() + block * groups * kBytesPerGroup<false>;
+  const c10::Half* s = scales.data_ptr<c10::Half>() + block * groups * kLanes;
+  const c10::Half* mn = mins.data_ptr<c10::Half>() + block * groups * kLanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    float scale[kLanes], lowest[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      scale[j] = s[g * kLanes + j];
+      lowest[j] = mn[g * kLanes + j];
+    }
+#if defined(__AVX512F__)
+    // Per 4 rows j .. j + 3: 16 floats [scale[j] x 4, scale[j + 1] x 4, ...], once a group.
+    const __m512i repeat4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 scale4[4], lowest4[4];
+    for (int i = 0; i < 4; ++i) {
+      scale4[i] = _mm512_permutexvar_ps(repeat4, _mm512_castps128_ps512(_mm_loadu_ps(scale + 4 * i)));
+      lowest4[i] = _mm512_permutexvar_ps(repeat4, _mm512_castps128_ps512(_mm_loadu_ps(lowest + 4 * i)));
+    }
+#endif
+    for (int t = 0; t < 8; ++t) {
+      const uint8_t* p = bytes + g * kBytesPerGroup<false> + 32 * t;
+#if defined(__AVX2__)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      // 128-bit lane 0: rows 0-3 (unpacklo) and 4-7 (unpackhi); lane 1: rows 8-11, 12-15.
+      const __m256i quads[2] = {_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
+      for (int half = 0; half < 2; ++half)
+        for (int lane = 0; lane < 2; ++lane) {
+          const __m128i rows4 = lane == 0 ? _mm256_castsi256_si128(quads[half])
+                                          : _mm256_extracti128_si256(quads[half], 1);
+          const int j0 = 8 * lane + 4 * half;
+          float* y = dst + j0 * cols + g * kGroup + 4 * t;
+#if defined(__AVX512F__)
+          const __m512 values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(rows4)),
+                                                scale4[j0 / 4], lowest4[j0 / 4]);
+          _mm_storeu_ps(y, _mm512_extractf32x4_ps(values, 0));
+          _mm_storeu_ps(y + cols, _mm512_extractf32x4_ps(values, 1));
+          _mm_storeu_ps(y + 2 * cols, _mm512_extractf32x4_ps(values, 2));
+          _mm_storeu_ps(y + 3 * cols, _mm512_extractf32x4_ps(values, 3));
+#else
+          for (int i = 0; i < 4; i += 2) {  // rows j0 + i, j0 + i + 1: bytes 4 i .. 4 i + 7
+            const int j = j0 + i;
+            const __m256 q = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(i == 0 ? rows4 : _mm_srli_si128(rows4, 8)));
+            const __m256 values = _mm256_fmadd_ps(
+                q, _mm256_set_m128(_mm_set1_ps(scale[j + 1]), _mm_set1_ps(scale[j])),
+                _mm256_set_m128(_mm_set1_ps(lowest[j + 1]), _mm_set1_ps(lowest[j])));
+            _mm_storeu_ps(y + i * cols, _mm256_castps256_ps128(values));
+            _mm_storeu_ps(y + (i + 1) * cols, _mm256_extractf128_ps(values, 1));
+          }
+#endif
+        }
+#else
+      for (int j = 0; j < kLanes; ++j) {
+        float* y = dst + j * cols + g * kGroup + 4 * t;
+        y[0] = lowest[j] + scale[j] * static_cast<float>(p[2 * j] & 15);
+        y[1] = lowest[j] + scale[j] * static_cast<float>(p[2 * j + 1] & 15);
+        y[2] = lowest[j] + scale[j] * static_cast<float>(p[2 * j] >> 4);
+        y[3] = lowest[j] + scale[j] * static_cast<float>(p[2 * j + 1] >> 4);
+      }
+#endif
+    }
+  }
+}
+
+// The same for blocked int8: per group the bytes are [pair p][lane j][2], a 16 x 16
+// matrix of 16-bit words M[p][j] (row j's columns 2p, 2p + 1), so row j's 32 weights are
+// column j of M (a transpose), then scaled: W[16 b + j, 32 g + k] = scales[b, g, j] * q.
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
+                         float* dst) {
+  const int64_t groups = packed.size(1), cols = groups * kGroup;
+  constexpr int64_t bytes_per_group = kBytesPerGroup<true>;
+  const int8_t* bytes = packed.data_ptr<int8_t>() + block * groups * bytes_per_group;
+  const uint16_t* s = halves(scales) + block * groups * kLanes;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // Register i holds pairs 2i and 2i + 1 (M[2i][0..15], M[2i + 1][0..15]). One vpermw
+  // interleaves them, dword j = (M[2i][j], M[2i + 1][j]): row j's columns 4i .. 4i + 3,
+  // and qword k = rows 2k, 2k + 1. An 8 x 8 transpose of qwords (3 stages of vpermt2q:
+  // at stage s, registers a and a + 2^s swap the halves whose qword index has bit s
+  // set) leaves in register k qword i = (row 2k, row 2k + 1) columns 4i .. 4i + 3, and
+  // one vpermd makes it row 2k's 32 bytes, then row 2k + 1's.
+  alignas(64) int16_t interleave[32];
+  for (int j = 0; j < 16; ++j) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
+  const __m512i pairs_to_rows = _mm512_load_si512(interleave);
+  __m512i stage_low[3], stage_high[3];
+  for (int st = 0; st < 3; ++st) {
+    const int stride = 1 << st;
+    alignas(64) int64_t low[8], high[8];
+    for (int k = 0; k < 8; ++k) {
+      const bool upper = k & stride;
+      low[k] = upper ? 8 + k - stride : k;   // from register a, or b's lower qword
+      high[k] = upper ? 8 + k : k + stride;  // a's upper qword, or from register b
+    }
+    stage_low[st] = _mm512_load_si512(low);
+    stage_high[st] = _mm512_load_si512(high);
+  }
+  const __m512i rows_apart = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i r[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm512_permutexvar_epi16(
+          pairs_to_rows, _mm512_loadu_si512(bytes + g * bytes_per_group + 64 * i));
+    for (int st = 0; st < 3; ++st)
+      for (int a = 0; a < 8; ++a)
+        if (!(a & (1 << st))) {
+          const int b = a + (1 << st);
+          const __m512i low = _mm512_permutex2var_epi64(r[a], stage_low[st], r[b]);
+          r[b] = _mm512_permutex2var_epi64(r[a], stage_high[st], r[b]);
+          r[a] = low;
+        }
+    for (int k = 0; k < 8; ++k) {
+      const __m512i two_rows = _mm512_permutexvar_epi32(rows_apart, r[k]);
+      // Quarter c: 16 weights of row 2k + c / 2 (the index of an extract is an immediate).
+      const __m128i quarters[4] = {
+          _mm512_extracti32x4_epi32(two_rows, 0), _mm512_extracti32x4_epi32(two_rows, 1),
+          _mm512_extracti32x4_epi32(two_rows, 2), _mm512_extracti32x4_epi32(two_rows, 3)};
+      for (int c = 0; c < 4; ++c) {
+        const int j = 2 * k + c / 2;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarters[c]));
+        _mm512_storeu_ps(dst + j * cols + g * kGroup + 16 * (c % 2),
+                         _mm512_mul_ps(q, _mm512_set1_ps(half_to_float(s[g * kLanes + j]))));
+      }
+    }
+  }
+#else
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < kLanes; ++j) {
+      const float scale = half_to_float(s[g * kLanes + j]);
+      float* y = dst + j * cols + g * kGroup;
+      for (int k = 0; k < kGroup; ++k)  // column k = pair k / 2, its value k % 2
+        y[k] = scale * static_cast<float>(bytes[g * bytes_per_group + (k / 2) * 32 + 2 * j + k % 2]);
+    }
+#endif
+}
