@@ -287,6 +287,24 @@ class WholeOutputCallsStream(ToolStream):
         content, self.buffer = self.buffer, ""
         return content, []
 
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        text, self.buffer = self.buffer, ""
+        if self.mode != "calls":
+            return text, []
+        calls = self.parse_calls(text.strip())
+        if not calls:
+            return text, []  # not tool calls after all: it was content
+        if not self.parallel:
+            calls = calls[:1]
+        deltas = [ToolCallDelta(i, new_tool_call_id(), *call) for i, call in enumerate(calls)]
+        self.num_calls = len(deltas)
+        return "", deltas
+
+    def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
+        """(name, arguments JSON text) of each call in the stripped whole output; None or
+        empty when it is not this format's calls (the output is then content)."""
+        raise NotImplementedError
+
 
 class Llama3JsonToolStream(WholeOutputCallsStream):
     """A whole output of JSON call objects ({"name", "parameters"}; ';'-separated)."""
@@ -294,24 +312,14 @@ class Llama3JsonToolStream(WholeOutputCallsStream):
     PYTHON_TAG = "<|python_tag|>"
     OPENERS = ("{", PYTHON_TAG)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        text, self.buffer = self.buffer, ""
-        if self.mode != "calls":
-            return text, []
-        body = text.strip().removeprefix(self.PYTHON_TAG)
+    def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
         calls = []
-        for part in _split_json_objects(body):
+        for part in _split_json_objects(body.removeprefix(self.PYTHON_TAG)):
             call = _parse_call(part, "parameters", "arguments")
             if call is None:
-                return text, []  # not tool calls after all: it was content
+                return None
             calls.append(call)
-        if not calls:
-            return text, []
-        if not self.parallel:
-            calls = calls[:1]
-        deltas = [ToolCallDelta(i, new_tool_call_id(), *call) for i, call in enumerate(calls)]
-        self.num_calls = len(deltas)
-        return "", deltas
+        return calls
 
 
 class MarkedJsonCallsStream(ToolStream):
@@ -471,21 +479,10 @@ class PythonicToolStream(WholeOutputCallsStream):
     FENCE = "```tool_code"
     OPENERS = ("[", FENCE)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        text, self.buffer = self.buffer, ""
-        if self.mode != "calls":
-            return text, []
-        body = text.strip()
+    def parse_calls(self, body: str) -> list[tuple[str, str]] | None:
         if body.startswith(self.FENCE):
             body = body[len(self.FENCE):].strip().removesuffix("```")
-        calls = parse_pythonic_calls(body)
-        if not calls:
-            return text, []
-        if not self.parallel:
-            calls = calls[:1]
-        deltas = [ToolCallDelta(i, new_tool_call_id(), *call) for i, call in enumerate(calls)]
-        self.num_calls = len(deltas)
-        return "", deltas
+        return parse_pythonic_calls(body)
 
 
 _AUTO_STREAMS = {"hermes": HermesToolStream, "llama3_json": Llama3JsonToolStream,
