@@ -87,32 +87,41 @@ def test_cpu_kernel_sliding_window(window):
     torch.testing.assert_close(out, reference(batch, window, scale), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp", "sdpa"])
-@pytest.mark.parametrize("window", WINDOWS)
-def test_torch_backend_sliding_window(window, use_cpu_kernel):
+def torch_backend_forward(window: int | None, use_cpu_kernel: bool, scale: float,
+                          **forward_kwargs):
+    """(out [num_real rows], batch): TorchAttentionBackend.forward over WINDOW_BATCH with
+    a poisoned table (the real one when `window` is None); the batch's cache then holds
+    the new keys and values, as the reference expects."""
     from engine.attention.backends.torch_backend import TorchAttentionBackend
     from engine.attention.metadata import AttentionMetadata
 
-    if use_cpu_kernel:
-        cpu_attention_kernel()
     batch = make_batch(WINDOW_BATCH, 8, 2, 64, BLOCK_SIZE)
     # Finite poison: the SDPA decode path gathers whole contexts and masks them.
     batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
-    scale = 64**-0.5
     backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
     head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
-    table = poisoned_table(batch.block_table, WINDOW_BATCH, window)
+    table = batch.block_table if window is None else poisoned_table(
+        batch.block_table, WINDOW_BATCH, window)
     metadata = AttentionMetadata(
         num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
         max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens, block_table=table, slot_mapping=batch.slot_mapping,
         query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
     out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale,
-                          sliding_window=window)
+                          sliding_window=window, **forward_kwargs)
     kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
                                             batch.slot_mapping)
-    torch.testing.assert_close(out[: batch.num_real], reference(batch, window, scale),
-                               rtol=1e-5, atol=1e-5)
+    return out[: batch.num_real], batch
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp", "sdpa"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_torch_backend_sliding_window(window, use_cpu_kernel):
+    if use_cpu_kernel:
+        cpu_attention_kernel()
+    scale = 64**-0.5
+    out, batch = torch_backend_forward(window, use_cpu_kernel, scale)
+    torch.testing.assert_close(out, reference(batch, window, scale), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_backend_window_without_cache():

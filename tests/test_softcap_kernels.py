@@ -10,12 +10,12 @@ import torch
 
 import kernels
 from kernels.reference import paged_attention_ref
-from tests.test_kernels import make_batch, needs_kernels
+from tests.test_kernels import needs_kernels
 from tests.test_sliding_window_kernels import (
-    BLOCK_SIZE,
     WINDOW_BATCH,
     filled_batch,
     poisoned_table,
+    torch_backend_forward,
 )
 
 SCALE = 64**-0.5
@@ -47,26 +47,8 @@ def test_reference_caps_the_scores_of_one_query_written_out_by_hand():
 def test_torch_backend_soft_cap(window, use_cpu_kernel):
     """The C++ kernel has no cap: a capped layer takes the torch path even where the
     kernel is built (its rows would otherwise go to the kernel)."""
-    from engine.attention.backends.torch_backend import TorchAttentionBackend
-    from engine.attention.metadata import AttentionMetadata
-
-    batch = make_batch(WINDOW_BATCH, 8, 2, 64, BLOCK_SIZE)
-    batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
-    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
-    table = batch.block_table if window is None else poisoned_table(
-        batch.block_table, WINDOW_BATCH, window)
-    metadata = AttentionMetadata(
-        num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
-        max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, block_table=table, slot_mapping=batch.slot_mapping,
-        query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
-    out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, SCALE,
-                          sliding_window=window, logit_softcap=CAP)
-    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
-                                            batch.slot_mapping)
-    torch.testing.assert_close(out[: batch.num_real], reference(batch, window),
-                               rtol=1e-5, atol=1e-5)
+    out, batch = torch_backend_forward(window, use_cpu_kernel, SCALE, logit_softcap=CAP)
+    torch.testing.assert_close(out, reference(batch, window), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_backend_soft_cap_without_cache():
