@@ -211,10 +211,7 @@ class StructuredOutputManager:
         5, g's after 5 6, h's mask.
         """
         if drafts is None:
-            bitmask = self.backend.allocate_bitmask(len(grammars))
-            for i, grammar in enumerate(grammars):
-                grammar.matcher.fill_next_token_bitmask(bitmask, i)
-            return bitmask
+            drafts = [[]] * len(grammars)
         bitmask = self.backend.allocate_bitmask(len(grammars) + sum(map(len, drafts)))
         row = 0
         for grammar, draft in zip(grammars, drafts, strict=True):
