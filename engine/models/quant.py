@@ -284,11 +284,14 @@ def block_int4(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     q = q.permute(0, 2, 3, 1, 4)  # [block, group, quad, lane, 4 values]
     pairs = q[..., 0:2] | (q[..., 2:4] << 4)  # byte 2j: values 0 | 2, byte 2j + 1: 1 | 3
     blocked = pairs.reshape(n // BLOCK_ROWS, groups, 256).contiguous()
+    return blocked, _group_lanes(scales), _group_lanes(mins)
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // BLOCK_ROWS, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
 
-    return blocked, lanes(scales), lanes(mins)
+def _group_lanes(per_group: torch.Tensor) -> torch.Tensor:
+    """Scales or mins [N, K / 32] -> [N / 16, K / 32, 16] (lane j of block b = row 16b + j),
+    the blocked layouts' order."""
+    n, groups = per_group.shape
+    return per_group.view(n // BLOCK_ROWS, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
 
 
 def unblock_int4(blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -319,8 +322,7 @@ def block_int8(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     q = data.view(n // BLOCK_ROWS, BLOCK_ROWS, groups, GROUP_SIZE // 2, 2)
     q = q.permute(0, 2, 3, 1, 4)  # [block, group, pair, lane, 2 values]
     blocked = q.reshape(n // BLOCK_ROWS, groups, BLOCK_ROWS * GROUP_SIZE).contiguous()
-    lanes = scales.view(n // BLOCK_ROWS, BLOCK_ROWS, groups).transpose(1, 2).contiguous()
-    return blocked, lanes
+    return blocked, _group_lanes(scales)
 
 
 def unblock_int8(blocked: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None = None
