@@ -322,6 +322,45 @@ def test_cpu_kernel_prompt_rows_match_reference(num_heads, num_kv_heads, block_s
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 80)],
+                         ids=["gqa9x3-d64", "mha4-d80"])
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
+def test_cpu_kernel_rows_are_batch_invariant(num_heads, num_kv_heads, head_size, window,
+                                             cache_dtype):
+    """A row's output is the same to the bit alone, in a run of its request's rows (a
+    chunk, a speculative step's rows) or in a shuffled batch where no two rows of a
+    request are neighbours: the kernel shares K/V reads across a run's rows but not
+    arithmetic."""
+    kernel = cpu_attention_kernel()
+    specs = [(0, 20), (19, 8), (40, 3), (100, 1), (7, 2)]
+    batch = make_batch(specs, num_heads, num_kv_heads, head_size, 16, num_pad=0, seed=3)
+    reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
+    row_tables = torch.cat([torch.full((q,), r, dtype=torch.int32)
+                            for r, (_, q) in enumerate(specs)])
+    row_lens = torch.cat([torch.arange(ctx + 1, ctx + q + 1, dtype=torch.int32)
+                          for ctx, q in specs])
+    scale = head_size**-0.5
+
+    def attend(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(batch.query[rows], float("nan"))
+        kernel(out, batch.query[rows].contiguous(), head_major, batch.block_table,
+               row_tables[rows].contiguous(), row_lens[rows].contiguous(), scale, window)
+        return out
+
+    all_rows = torch.arange(len(row_tables))
+    together = attend(all_rows)
+    shuffled = torch.randperm(len(row_tables), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(attend(shuffled), together[shuffled])
+    for row in range(len(row_tables)):
+        assert torch.equal(attend(all_rows[row:row + 1]), together[row:row + 1]), row
+    expected = paged_attention_ref(batch.query, batch.kv_cache.to(cache_dtype).float(),
+                                   batch.block_table, batch.query_start_loc, batch.seq_lens,
+                                   scale, sliding_window=window or None)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_rows_plan_worked_example():
     """The plan in KernelRows' docstring, exactly."""
     from engine.attention.backends.torch_backend import KERNEL_MAX_CHUNK, KernelRows

@@ -21,11 +21,16 @@
 // never read (a sliding-window KV group may have freed them). Example, block_size 4,
 // W 6, len 11: keys 5..10, blocks 1 and 2 (block 0 untouched), block 1 from offset 1.
 //
-// Work item = (query row, KV head): its G query heads share every K/V block read.
-// Pass 1 writes the scaled scores of all positions, a softmax normalises them,
-// pass 2 accumulates the weighted V rows. Query and output are float32; the cache may
-// be float32, bfloat16 or float16 (widened to float32 as it is read). Head sizes
-// 16/32/64/80/96/128/256; the torch path serves the rest.
+// Work item = (run, KV head), a run being up to 8 consecutive rows that read the same
+// table row (a prompt chunk, or a speculative step's 1 + k rows: 8 rows of SmolLM2's
+// 3 query heads per KV head are 24 query vectors against every K/V block read once).
+// Pass 1 writes the scaled scores of all positions, a softmax turns them into weights,
+// pass 2 accumulates the weighted V rows. Each output value takes the same operations
+// in the same order whatever the other rows of its run, so the kernel is batch
+// invariant: a row's result is the same to the bit alone, in a run or in any batch.
+// Query and output are float32; the cache may be float32, bfloat16 or float16 (widened
+// to float32 as it is read). Head sizes 16/32/64/80/96/128/256; the torch path serves
+// the rest.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "spin_pool.h"
@@ -49,6 +55,52 @@ inline void prefetch_block(const T* block, int64_t num_values) {
     __builtin_prefetch(bytes + i);
 }
 
+// e^x for x <= 0, lane by lane (x below -87.3 gives 0): x = n ln 2 + r, |r| <= ln 2 / 2,
+// e^r by a degree-6 polynomial, 2^n put in the exponent bits. The same instructions for
+// every lane, so a score's weight does not depend on the lanes beside it.
+inline vec8 exp8(vec8 x) {
+  typedef int32_t ivec8 __attribute__((vector_size(32)));
+  const vec8 lowest = vec8{} - 87.3f;
+  x = x < lowest ? lowest : x;
+  const vec8 scaled = x * 1.44269504088896341f + 0.5f;
+  ivec8 n = __builtin_convertvector(scaled, ivec8);       // truncates toward zero:
+  n += (__builtin_convertvector(n, vec8) > scaled);       // -1 where that was not the floor
+  const vec8 nf = __builtin_convertvector(n, vec8);
+  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  vec8 two_n;
+  const ivec8 bits = (n + 127) << 23;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+constexpr vec8 kLaneIndex = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+
+// The sums of eight vectors, out[i] = sum8(v[i]) to the bit: the same pairs added in
+// the same order ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), eight at a time.
+inline vec8 sums8(const vec8 v[8]) {
+#if defined(__AVX__)
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+  const __m256 ab = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]);
+  const __m256 cd = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+  const __m256 ef = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]);
+  const __m256 gh = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+  // [A_lo, B_lo, C_lo, D_lo | A_hi, ...] with A_lo = (a0+a1)+(a2+a3), A_hi = (a4+a5)+(a6+a7)
+  const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+  return (vec8)_mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
+                             _mm256_permute2f128_ps(abcd, efgh, 0x31));
+#else
+  vec8 out;
+  for (int i = 0; i < 8; ++i) out[i] = sum8(v[i]);
+  return out;
+#endif
+}
+
 template <typename T>  // the cache's element type
 struct Problem {
   int64_t num_heads, num_kv_heads, num_blocks, block_size, group, table_stride;
@@ -58,110 +110,266 @@ struct Problem {
   const T *k_cache, *v_cache;
   const int32_t *tables, *row_tables, *lens;  // row_tables null: row b reads table row b
   float* out_all;
+
+  int64_t table_row(int64_t b) const { return row_tables ? row_tables[b] : b; }
+  // Keys [first_key(b), lens[b]): all of them, or the last `sliding_window`.
+  int64_t first_key(int64_t b) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : 0;
+  }
 };
 
-// One (request, KV head): its `group` query heads against that head's context.
-template <typename T, int kHeadSize>
-void attend_one(const Problem<T>& pb, int64_t b, int64_t kv_head, std::vector<float>& scores) {
-  constexpr int kVecs = kHeadSize / 8;
-  const int64_t seq_len = pb.lens[b], group = pb.group, block_size = pb.block_size;
-  // Keys [first, seq_len): all of them, or the last `sliding_window`.
-  const int64_t first = pb.sliding_window > 0 ? std::max<int64_t>(0, seq_len - pb.sliding_window) : 0;
-  const int64_t num_keys = seq_len - first;
-  const int64_t block_floats = block_size * kHeadSize;
-  const int64_t table_row = pb.row_tables ? pb.row_tables[b] : b;
-  const int32_t* table = pb.tables + table_row * pb.table_stride;
-  const float* q = pb.q_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
-  const int64_t head_base = kv_head * pb.num_blocks;
-  const int64_t first_block = first / block_size;
-  const int64_t end_block = (seq_len + block_size - 1) / block_size;
-  scores.resize(group * num_keys);
+// A run: consecutive query rows [row0, row0 + num_rows) that read the same block-table
+// row (a prompt chunk's rows, a speculative step's 1 + k rows, or one decode row), so
+// that each K/V block it reads serves all of their query heads at once.
+struct Run {
+  int64_t row0, num_rows;
+};
 
-  // Pass 1: scores[g * num_keys + p - first] = scale * q_g . k_p, four positions at a
-  // time (four independent FMA chains instead of one).
-  for (int64_t i = first_block; i < end_block; ++i) {
-    const T* block_start = pb.k_cache + (head_base + table[i]) * block_floats;
-    if (i + 1 < end_block) {
-      prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
-    }
-    // This block's keys: positions [lo, hi), offsets from lo - i * block_size.
-    const int64_t lo = std::max(i * block_size, first);
-    const int64_t count = std::min((i + 1) * block_size, seq_len) - lo;
-    const T* k_block = block_start + (lo - i * block_size) * kHeadSize;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * kHeadSize;
-      float* s = scores.data() + g * num_keys + (lo - first);
-      int64_t t = 0;
-      for (; t + 4 <= count; t += 4) {
-        const T* k = k_block + t * kHeadSize;
-        vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int j = 0; j < kVecs; ++j) {
-          const vec8 qv = load8(qg + 8 * j);
-          a0 += qv * load8(k + 8 * j);
-          a1 += qv * load8(k + kHeadSize + 8 * j);
-          a2 += qv * load8(k + 2 * kHeadSize + 8 * j);
-          a3 += qv * load8(k + 3 * kHeadSize + 8 * j);
-        }
-        s[t] = pb.scale * sum8(a0);
-        s[t + 1] = pb.scale * sum8(a1);
-        s[t + 2] = pb.scale * sum8(a2);
-        s[t + 3] = pb.scale * sum8(a3);
-      }
-      for (; t < count; ++t) {
-        vec8 a = {};
-        for (int j = 0; j < kVecs; ++j) a += load8(qg + 8 * j) * load8(k_block + t * kHeadSize + 8 * j);
-        s[t] = pb.scale * sum8(a);
-      }
+// Per-thread work space of `attend_run`.
+struct Scratch {
+  std::vector<float> scores;  // [M, stride]: scores, then softmax weights
+  std::vector<float> block;   // one K block widened to float32 (bfloat16/float16 caches)
+  std::vector<float> inv_sums;
+};
+
+// Scores of P keys x Q query vectors (P Q = 8, or anything with the plain sums):
+// s[p][q] = scale * sum8(sum_j q_j * k_j), each an FMA chain over the head's eight-float
+// slices j then the fixed pairwise sum, so a score's bits do not depend on which
+// micro-kernel (or how many rows beside it) computed it.
+template <int kHeadSize, int P, int Q>
+inline void score_tile(const float* const* qs, const float* k, float scale, float* const* out,
+                       int64_t key_offset) {
+  constexpr int kVecs = kHeadSize / 8;
+  vec8 acc[P * Q] = {};
+  for (int j = 0; j < kVecs; ++j) {
+    vec8 qv[Q];
+    for (int q = 0; q < Q; ++q) qv[q] = load8(qs[q] + 8 * j);
+    for (int p = 0; p < P; ++p) {
+      const vec8 kv = load8(k + p * kHeadSize + 8 * j);
+      for (int q = 0; q < Q; ++q) acc[q * P + p] += qv[q] * kv;
     }
   }
+  if constexpr (P * Q == 8) {
+    const vec8 s = sums8(acc) * scale;  // lane q P + p = key p, query q
+    for (int q = 0; q < Q; ++q)
+      for (int p = 0; p < P; ++p) out[q][key_offset + p] = s[q * P + p];
+  } else {
+    for (int q = 0; q < Q; ++q)
+      for (int p = 0; p < P; ++p) out[q][key_offset + p] = scale * sum8(acc[q * P + p]);
+  }
+}
 
-  // Softmax over positions, per query head; then pass 2, per query head, with its
-  // output row held in registers: out_g = sum_p softmax_p * v_p.
-  float* out = pb.out_all + (b * pb.num_heads + kv_head * group) * kHeadSize;
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * num_keys;
-    const float max_score = *std::max_element(s, s + num_keys);
-    float sum = 0.f;
-    for (int64_t p = 0; p < num_keys; ++p) {
-      s[p] = std::exp(s[p] - max_score);
-      sum += s[p];
-    }
-    vec8 acc[kVecs] = {};
-    for (int64_t i = first_block; i < end_block; ++i) {
-      const T* block_start = pb.v_cache + (head_base + table[i]) * block_floats;
-      if (g == 0 && i + 1 < end_block) {
-        prefetch_block(pb.v_cache + (head_base + table[i + 1]) * block_floats, block_floats);
-      }
-      const int64_t lo = std::max(i * block_size, first);
-      const int64_t count = std::min((i + 1) * block_size, seq_len) - lo;
-      const T* v_block = block_start + (lo - i * block_size) * kHeadSize;
-      const float* weights = s + (lo - first);
-      for (int64_t t = 0; t < count; ++t) {
-        const float weight = weights[t];
-        const T* v = v_block + t * kHeadSize;
-        for (int j = 0; j < kVecs; ++j) acc[j] += weight * load8(v + 8 * j);
-      }
-    }
-    const float inv_sum = 1.f / sum;
-    for (int j = 0; j < kVecs; ++j) {
-      const vec8 o = acc[j] * inv_sum;
-      std::memcpy(out + g * kHeadSize + 8 * j, &o, sizeof o);
+// out_m += sum_p w_m[p] v_p over keys [lo, hi) of one V block, for M (<= 4) query
+// vectors and J eight-float slices starting at slice j0: one FMA chain per output value
+// in key order (a zero weight leaves the chain's value unchanged).
+template <typename T, int kHeadSize, int M, int J>
+inline void weigh_values(const T* v_block, int64_t count, const float* const* weights,
+                         int64_t j0, vec8 (&acc)[M][J]) {
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = v_block + t * kHeadSize + 8 * j0;
+    vec8 vv[J];
+    for (int j = 0; j < J; ++j) vv[j] = load8(v + 8 * j);
+    for (int m = 0; m < M; ++m) {
+      const float w = weights[m][t];
+      for (int j = 0; j < J; ++j) acc[m][j] += w * vv[j];
     }
   }
 }
 
-// Rows in zigzag order, so that each thread's contiguous share of the items mixes short
-// and long rows (a prompt's rows grow by one key each: a plain split would give the
-// second thread three quarters of the work). Example, 6 rows: 0 5 1 4 2 3.
+// out_m = w_m . V / sum(w_m) for query vectors [m0, m0 + M) over keys [first, end):
+// the blocks of V one after another, each output slice's chains held in registers.
+template <typename T, int kHeadSize, int M, int J>
+void weigh_all(const Problem<T>& pb, const int32_t* table, int64_t head_base, int64_t first,
+               int64_t end, int64_t run_first, float* const* weights_of_m, int64_t j0,
+               float* const* outs, const float* inv_sums) {
+  const int64_t block_size = pb.block_size, block_floats = block_size * kHeadSize;
+  vec8 acc[M][J] = {};
+  const float* weights[M];
+  for (int64_t i = first / block_size; i < (end + block_size - 1) / block_size; ++i) {
+    const T* block_start = pb.v_cache + (head_base + table[i]) * block_floats;
+    const int64_t lo = std::max(i * block_size, first);
+    const int64_t count = std::min((i + 1) * block_size, end) - lo;
+    for (int m = 0; m < M; ++m) weights[m] = weights_of_m[m] + (lo - run_first);
+    weigh_values<T, kHeadSize, M, J>(block_start + (lo - i * block_size) * kHeadSize, count,
+                                     weights, j0, acc);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j) {
+      const vec8 o = acc[m][j] * inv_sums[m];
+      std::memcpy(outs[m] + 8 * (j0 + j), &o, sizeof o);
+    }
+}
+
+// One (run, KV head): the run's rows x the head's `group` query heads = M query vectors,
+// m = r * group + g, against the keys [first, end) that any of its rows sees.
+//   pass 1: scores[m][p - first] = scale * q_m . k_p for every key of the run
+//   softmax: row r's weights over its own keys [first_r, len_r), zero elsewhere
+//   pass 2: out_m = sum_p weights[m][p] v_p / sum_p weights[m][p]
+// Every output value is computed by the same operations in the same order whatever the
+// run's other rows, so a row's result is the same to the bit alone or in any run.
+template <typename T, int kHeadSize>
+void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& scratch) {
+  constexpr int kVecs = kHeadSize / 8;
+  const int64_t group = pb.group, block_size = pb.block_size;
+  const int64_t num_vectors = run.num_rows * group;
+  int64_t first = pb.first_key(run.row0), end = pb.lens[run.row0];
+  for (int64_t r = 1; r < run.num_rows; ++r) {
+    first = std::min(first, pb.first_key(run.row0 + r));
+    end = std::max(end, static_cast<int64_t>(pb.lens[run.row0 + r]));
+  }
+  const int64_t block_floats = block_size * kHeadSize;
+  const int32_t* table = pb.tables + pb.table_row(run.row0) * pb.table_stride;
+  const int64_t head_base = kv_head * pb.num_blocks;
+  // Room for a row's last chunk of eight weights past `end` (see the softmax).
+  const int64_t stride = (end - first + 7) / 8 * 8 + 8;
+  scratch.scores.resize(num_vectors * stride);
+  scratch.inv_sums.resize(num_vectors);
+  std::vector<const float*> queries(num_vectors);
+  std::vector<float*> scores(num_vectors), outs(num_vectors);
+  for (int64_t m = 0; m < num_vectors; ++m) {
+    const int64_t head = (run.row0 + m / group) * pb.num_heads + kv_head * group + m % group;
+    queries[m] = pb.q_all + head * kHeadSize;
+    outs[m] = pb.out_all + head * kHeadSize;
+    scores[m] = scratch.scores.data() + m * stride;
+  }
+
+  // Pass 1, a block of keys at a time: 4 keys x 2 query vectors per tile (8 keys x 1
+  // for an odd one out), single keys at the block's end.
+  if (!std::is_same<T, float>::value) scratch.block.resize(block_floats);
+  for (int64_t i = first / block_size; i < (end + block_size - 1) / block_size; ++i) {
+    const T* block_start = pb.k_cache + (head_base + table[i]) * block_floats;
+    if ((i + 1) * block_size < end) {
+      prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
+    }
+    const int64_t lo = std::max(i * block_size, first);
+    const int64_t count = std::min((i + 1) * block_size, end) - lo;
+    const float* keys;
+    if constexpr (std::is_same<T, float>::value) {
+      keys = block_start + (lo - i * block_size) * kHeadSize;
+    } else {  // widen the block's keys once for all M query vectors (exact)
+      const T* k = block_start + (lo - i * block_size) * kHeadSize;
+      for (int64_t x = 0; x < count * kHeadSize; x += 8) {
+        const vec8 wide = load8(k + x);
+        std::memcpy(scratch.block.data() + x, &wide, sizeof wide);
+      }
+      keys = scratch.block.data();
+    }
+    const int64_t at = lo - first;
+    int64_t m = 0;
+    for (; m + 2 <= num_vectors; m += 2) {
+      int64_t t = 0;
+      for (; t + 4 <= count; t += 4)
+        score_tile<kHeadSize, 4, 2>(&queries[m], keys + t * kHeadSize, pb.scale, &scores[m], at + t);
+      for (; t < count; ++t)
+        score_tile<kHeadSize, 1, 2>(&queries[m], keys + t * kHeadSize, pb.scale, &scores[m], at + t);
+    }
+    if (m < num_vectors) {
+      int64_t t = 0;
+      for (; t + 8 <= count; t += 8)
+        score_tile<kHeadSize, 8, 1>(&queries[m], keys + t * kHeadSize, pb.scale, &scores[m], at + t);
+      for (; t < count; ++t)
+        score_tile<kHeadSize, 1, 1>(&queries[m], keys + t * kHeadSize, pb.scale, &scores[m], at + t);
+    }
+  }
+
+  // Softmax of each query vector over its row's keys, eight at a time from the row's
+  // first key; the lanes past its last key (other rows' keys, or the padding) and the
+  // keys before its first get weight 0. The sum: lane l adds weights l, l + 8, ...,
+  // then the fixed pairwise sum of the lanes.
+  for (int64_t m = 0; m < num_vectors; ++m) {
+    const int64_t row = run.row0 + m / group;
+    const int64_t own_first = pb.first_key(row) - first, own_end = pb.lens[row] - first;
+    float* s = scores[m];
+    // The maximum, eight lanes at a time (the same value in any order).
+    vec8 lane_max = vec8{} + s[own_first];
+    int64_t p = own_first;
+    for (; p + 8 <= own_end; p += 8) {
+      const vec8 x = load8(s + p);
+      lane_max = x > lane_max ? x : lane_max;
+    }
+    float max_score = lane_max[0];
+    for (int l = 1; l < 8; ++l) max_score = std::max(max_score, lane_max[l]);
+    for (; p < own_end; ++p) max_score = std::max(max_score, s[p]);
+    std::fill(s, s + own_first, 0.f);
+    vec8 lane_sums = {};
+    for (p = own_first; p < own_end; p += 8) {
+      vec8 w = exp8(load8(s + p) - max_score);
+      w = kLaneIndex < static_cast<float>(own_end - p) ? w : vec8{};  // past the row's keys
+      std::memcpy(s + p, &w, sizeof w);
+      lane_sums += w;
+    }
+    std::fill(s + own_end, s + std::max(own_end, end - first), 0.f);  // later rows' keys
+    scratch.inv_sums[m] = 1.f / sum8(lane_sums);
+  }
+
+  // Pass 2, up to 4 query vectors x 32 output values at a time, over the keys any of
+  // those vectors' rows sees.
+  for (int64_t m0 = 0; m0 < num_vectors; m0 += 4) {
+    const int64_t count = std::min<int64_t>(4, num_vectors - m0);
+    int64_t lo = pb.first_key(run.row0 + m0 / group), hi = pb.lens[run.row0 + m0 / group];
+    for (int64_t m = m0 + 1; m < m0 + count; ++m) {
+      lo = std::min(lo, pb.first_key(run.row0 + m / group));
+      hi = std::max(hi, static_cast<int64_t>(pb.lens[run.row0 + m / group]));
+    }
+    float* const* w = &scores[m0];
+    float* const* o = &outs[m0];
+    const float* inv = scratch.inv_sums.data() + m0;
+    for (int64_t j0 = 0; j0 < kVecs; j0 += 4) {
+      const bool two = kVecs - j0 < 4;  // head sizes 16 and 80 end with 2 slices
+#define PAGEDSERVE_WEIGH(M)                                                                  \
+  (two ? weigh_all<T, kHeadSize, M, 2>(pb, table, head_base, lo, hi, first, w, j0, o, inv)    \
+       : weigh_all<T, kHeadSize, M, 4>(pb, table, head_base, lo, hi, first, w, j0, o, inv))
+      switch (count) {
+        case 1: PAGEDSERVE_WEIGH(1); break;
+        case 2: PAGEDSERVE_WEIGH(2); break;
+        case 3: PAGEDSERVE_WEIGH(3); break;
+        default: PAGEDSERVE_WEIGH(4); break;
+      }
+#undef PAGEDSERVE_WEIGH
+    }
+  }
+}
+
+// Runs of consecutive rows with the same table row, cut to at most `max_rows` rows.
+// Example, row_tables [0, 1, 1, 1, 1, 1, 2] with max_rows 4: rows {0}, {1..4}, {5}, {6}.
+template <typename T>
+std::vector<Run> cut_runs(const Problem<T>& pb, int64_t num_rows, int64_t max_rows) {
+  std::vector<Run> runs;
+  for (int64_t b = 0; b < num_rows; ++b) {
+    if (!runs.empty() && runs.back().num_rows < max_rows &&
+        pb.table_row(runs.back().row0) == pb.table_row(b)) {
+      ++runs.back().num_rows;
+    } else {
+      runs.push_back(Run{b, 1});
+    }
+  }
+  return runs;
+}
+
+// Runs in zigzag order, so that each thread's contiguous share of the items mixes short
+// and long runs (a prompt's rows grow by one key each: a plain split would give the
+// second thread three quarters of the work). Example, 6 runs: 0 5 1 4 2 3.
 inline int64_t zigzag(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
+
+constexpr int64_t kMaxRunRows = 8;
 
 template <typename T, int kHeadSize>
 void attend_all(const Problem<T>& pb, int64_t num_rows) {
-  pagedserve::parallel_for(0, num_rows * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // Longer runs share more of each block read; shorter ones leave every thread some
+  // items (8 verify rows x 3 KV heads on 2 threads: runs of 4 rows, 6 items).
+  const int64_t threads = at::get_num_threads();
+  int64_t max_rows = kMaxRunRows;
+  std::vector<Run> runs = cut_runs(pb, num_rows, max_rows);
+  while (max_rows > 1 && static_cast<int64_t>(runs.size()) * pb.num_kv_heads < 2 * threads) {
+    max_rows = (max_rows + 1) / 2;
+    runs = cut_runs(pb, num_rows, max_rows);
+  }
+  const int64_t num_runs = runs.size();
+  pagedserve::parallel_for(0, num_runs * pb.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = zigzag(item / pb.num_kv_heads, num_rows);
-      attend_one<T, kHeadSize>(pb, row, item % pb.num_kv_heads, scores);
+      const Run& run = runs[zigzag(item / pb.num_kv_heads, num_runs)];
+      attend_run<T, kHeadSize>(pb, run, item % pb.num_kv_heads, scratch);
     }
   });
 }
@@ -193,12 +401,11 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
   const int64_t max_blocks = block_table.size(1), num_tables = block_table.size(0);
   for (int64_t b = 0; b < num_rows; ++b) {
     const int64_t len = pb.lens[b];
-    const int64_t table_row = pb.row_tables ? pb.row_tables[b] : b;
+    const int64_t table_row = pb.table_row(b);
     TORCH_CHECK(table_row >= 0 && table_row < num_tables, "row_tables entry out of range");
     TORCH_CHECK(len >= 1 && (len + pb.block_size - 1) / pb.block_size <= max_blocks,
                 "seq_len out of range for its block table row");
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-    for (int64_t i = first / pb.block_size; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
+    for (int64_t i = pb.first_key(b) / pb.block_size; i < (len + pb.block_size - 1) / pb.block_size; ++i) {
       const int64_t block = pb.tables[table_row * pb.table_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
