@@ -622,6 +622,7 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
                     "chunk_times_s": [t - bench_start for t in r.chunk_times],
                     "prompt_tokens": r.prompt_tokens,
                     "output_tokens": r.output_tokens,
+                    "generated_text": r.generated_text,
                     "success": r.success,
                     "error": r.error,
                 }

@@ -19,7 +19,10 @@ started on 127.0.0.1 as `benchmarks.compare_servers` starts it, with or without
 
 It prints one Markdown table: each workload's output tok/s off and on (mean over the
 runs), on/off, and the draft acceptance the server's own pagedserve:spec_decode_* counters
-report. The issue's bars: copy >= 2x, chat-1 >= 0.95x, chat-N >= 0.95x.
+report. The issue's bars: copy >= 2x, chat-1 >= 0.95x, chat-N >= 0.95x. Then, per copy
+prompt, its seconds off and on and how much of its output the model really copied from
+the prompt (a small model may explain or invent instead of copying: no guess helps
+there), and the prompts whose output is at least half copied, together.
 
 `--servers pagedserve llamacpp` also runs llama-server on the same GGUF, off and with its
 own n-gram speculation (`--llamacpp-spec-args`, default `--spec-type ngram-simple`), in
@@ -115,7 +118,8 @@ def run_workload(args: argparse.Namespace, base_url: str, model_dir: str, label:
         argv = ["--base-url", base_url, "--endpoint", "chat", "--tokenizer", model_dir,
                 "--dataset", "jsonl", "--dataset-path", str(copy_path),
                 "--max-concurrency", "1", "--num-warmups", "0", "--no-ignore-eos",
-                "--label", label, "--disable-tqdm", "--result-file", result_file]
+                "--label", label, "--disable-tqdm", "--result-file", result_file,
+                "--save-detailed"]
     else:
         clients = 1 if workload == "chat-1" else args.clients
         argv = bench_args(args, "pagedserve", base_url, model_dir, clients, result_file,
@@ -125,9 +129,69 @@ def run_workload(args: argparse.Namespace, base_url: str, model_dir: str, label:
         raise RuntimeError(f"benchmark run {label} {workload} failed")
     after = spec_counters(base_url)
     with open(result_file) as f:
-        metrics = json.load(f)["metrics"]
+        record = json.load(f)
+    metrics = record["metrics"]
     metrics["spec"] = {key: after[key] - before[key] for key in after}
+    if workload == "copy":  # per prompt, in COPY_PROMPTS order (one client, in order)
+        metrics["requests"] = [{key: r[key] for key in ("start_s", "end_s", "output_tokens",
+                                                         "generated_text")}
+                               for r in record["requests"]]
     return metrics
+
+
+COPY_NGRAM = 4  # a copied output token lies in a 4-token window found in the prompt
+
+
+def copied_share(tokenizer, prompt: str, output: str) -> float:
+    """The share of the output's tokens that lie in some window of COPY_NGRAM consecutive
+    output tokens that also occurs in the prompt: what prompt lookup can guess.
+
+    Example, prompt tokens [a b c d e], output [x a b c d y]: the window [a b c d] occurs
+    in the prompt, so 4 of 6 output tokens are copied (0.67)."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    output_ids = tokenizer.encode(output, add_special_tokens=False)
+    grams = {tuple(prompt_ids[i:i + COPY_NGRAM]) for i in range(len(prompt_ids) - COPY_NGRAM + 1)}
+    copied = [False] * len(output_ids)
+    for i in range(len(output_ids) - COPY_NGRAM + 1):
+        if tuple(output_ids[i:i + COPY_NGRAM]) in grams:
+            copied[i:i + COPY_NGRAM] = [True] * COPY_NGRAM
+    return sum(copied) / max(1, len(output_ids))
+
+
+def report_copy_prompts(model_dir: str, server: str, server_runs: list[tuple[bool, dict]]
+                        ) -> None:
+    """Per copy prompt: output tokens, the share the output copies from its prompt, and
+    its seconds (first byte sent to last byte received, so prefill included) off and on;
+    then the prompts whose output is at least half copied, together."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    off = [r["copy"]["requests"] for s, r in server_runs if not s]
+    on = [r["copy"]["requests"] for s, r in server_runs if s]
+
+    def seconds(runs: list[list[dict]], i: int) -> float:
+        return statistics.mean(run[i]["end_s"] - run[i]["start_s"] for run in runs)
+
+    print(f"\n{server}, copy prompts one by one (seconds per request, mean over the runs):")
+    print("| prompt | output tokens off / on | copied from the prompt | s off | s on | on / off |")
+    print("|---|---|---|---|---|---|")
+    copying = {"tokens": 0, "off": 0.0, "on": 0.0, "count": 0}
+    for i, prompt in enumerate(COPY_PROMPTS):
+        share = copied_share(tokenizer, prompt, off[0][i]["generated_text"])
+        s_off, s_on = seconds(off, i), seconds(on, i)
+        tokens = off[0][i]["output_tokens"]
+        print(f"| {i + 1}. {prompt.splitlines()[0][:48]} | {tokens} / {on[0][i]['output_tokens']} "
+              f"| {100 * share:.0f}% | {s_off:.2f} | {s_on:.2f} | {s_off / s_on:.2f}x |")
+        if share >= 0.5:
+            copying["tokens"] += tokens
+            copying["off"] += s_off
+            copying["on"] += s_on
+            copying["count"] += 1
+    if copying["count"]:
+        print(f"Prompts whose output is at least half copied: {copying['count']} of "
+              f"{len(COPY_PROMPTS)}, output tok/s {copying['tokens'] / copying['off']:.1f} off, "
+              f"{copying['tokens'] / copying['on']:.1f} on "
+              f"({copying['off'] / copying['on']:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +295,9 @@ def report(args: argparse.Namespace, model_dir: str,
             label = f"chat-{args.clients}" if workload == "chat-N" else workload
             print(f"| {server} | {label} | {off_tps:.1f} | {on_tps:.1f} | "
                   f"{on_tps / off_tps:.2f}x | {accepted} | {per_step} | {tokens} |")
+    if "copy" in args.workloads:
+        for server, server_runs in runs.items():
+            report_copy_prompts(model_dir, server, server_runs)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -301,3 +301,50 @@ def _metric(http, name: str, labels: str = "") -> float:
         if line.startswith(name) and labels in line and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+# A prompt whose JSON answer can copy it: n-gram speculation has something to guess.
+COPY_PERSON = [{"role": "user", "content": (
+    'Reply with this JSON, unchanged: {"name": "Ada", "age": 36, "hobbies": ["chess", "golf"], '
+    '"pet": {"kind": "cat", "legs": 4}}')}]
+
+
+def answer(choice: dict) -> tuple:
+    """A chat choice's content, calls (name, arguments; their ids are random) and finish."""
+    calls = [(c["function"]["name"], c["function"]["arguments"])
+             for c in choice["message"].get("tool_calls") or []]
+    return choice["message"]["content"], calls, choice["finish_reason"]
+
+
+@pytest.fixture(scope="module")
+def speculating_server():
+    """The module's server flags plus n-gram speculation."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    proc = ServerProcess(["--port", "0", "--max-model-len", "256", "--kv-cache-memory", "12M",
+                          "--max-num-batched-tokens", "256", "--dtype", "float32",
+                          "--speculative-config", spec], env={})
+    with serving(proc):
+        yield proc
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": PERSON_FORMAT},
+    {"guided_regex": r'\{"name": "[A-Za-z]{1,8}", "age": [0-9]{1,3}\}'},
+    {"tools": [WEATHER, CLOCK], "tool_choice": "required"},
+], ids=["json-schema", "regex", "tools-required"])
+def test_speculation_keeps_constrained_outputs(http, speculating_server, extra):
+    """Over HTTP, a constrained greedy request gives the same answer, streamed or not,
+    with n-gram speculation as without; the speculating server did guess (its drafts
+    are checked against the grammar before they are verified)."""
+    with httpx.Client(base_url=speculating_server.url, timeout=120) as spec_http:
+        accepted_before = _metric(spec_http, "pagedserve:spec_decode_num_accepted_tokens_total")
+        body = {"messages": COPY_PERSON, "max_tokens": 60, **extra}
+        plain = chat(http, **body)["choices"][0]
+        speculated = chat(spec_http, **body)["choices"][0]
+        assert answer(speculated) == answer(plain)
+        if "tools" not in extra:
+            streamed = stream_text(spec_http, "/v1/chat/completions",
+                                   {"model": MODEL, "temperature": 0, **body})
+            assert streamed == (plain["message"]["content"], plain["finish_reason"])
+        assert _metric(spec_http, "pagedserve:spec_decode_num_accepted_tokens_total") > \
+            accepted_before
