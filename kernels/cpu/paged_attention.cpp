@@ -159,6 +159,14 @@ inline void score_tile(const float* const* qs, const float* k, float scale, floa
   }
 }
 
+// Query vectors per pass-2 tile: 4 x 4 accumulators of eight floats, plus the V slices,
+// fit AVX-512's 32 vector registers; AVX2 has 16, so 2 x 4 there.
+#if defined(__AVX512VL__)
+constexpr int64_t kValueTileVectors = 4;
+#else
+constexpr int64_t kValueTileVectors = 2;
+#endif
+
 // out_m += sum_p w_m[p] v_p over keys [lo, hi) of one V block, for M (<= 4) query
 // vectors and J eight-float slices starting at slice j0: one FMA chain per output value
 // in key order (a zero weight leaves the chain's value unchanged).
@@ -302,10 +310,10 @@ void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& 
     scratch.inv_sums[m] = 1.f / sum8(lane_sums);
   }
 
-  // Pass 2, up to 4 query vectors x 32 output values at a time, over the keys any of
-  // those vectors' rows sees.
-  for (int64_t m0 = 0; m0 < num_vectors; m0 += 4) {
-    const int64_t count = std::min<int64_t>(4, num_vectors - m0);
+  // Pass 2, kValueTileVectors query vectors x 32 output values at a time, over the keys
+  // any of those vectors' rows sees.
+  for (int64_t m0 = 0; m0 < num_vectors; m0 += kValueTileVectors) {
+    const int64_t count = std::min<int64_t>(kValueTileVectors, num_vectors - m0);
     int64_t lo = pb.first_key(run.row0 + m0 / group), hi = pb.lens[run.row0 + m0 / group];
     for (int64_t m = m0 + 1; m < m0 + count; ++m) {
       lo = std::min(lo, pb.first_key(run.row0 + m / group));
@@ -321,9 +329,13 @@ void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& 
        : weigh_all<T, kHeadSize, M, 4>(pb, table, head_base, lo, hi, first, w, j0, o, inv))
       switch (count) {
         case 1: PAGEDSERVE_WEIGH(1); break;
+#if defined(__AVX512VL__)
         case 2: PAGEDSERVE_WEIGH(2); break;
         case 3: PAGEDSERVE_WEIGH(3); break;
         default: PAGEDSERVE_WEIGH(4); break;
+#else
+        default: PAGEDSERVE_WEIGH(2); break;
+#endif
       }
 #undef PAGEDSERVE_WEIGH
     }
