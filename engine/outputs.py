@@ -106,6 +106,9 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Proposed draft tokens cut before verification because the request's grammar refused
+    # them (structured outputs with speculation).
+    spec_num_grammar_cut_tokens: int = 0
 
 
 @dataclass

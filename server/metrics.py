@@ -255,6 +255,10 @@ class ServerMetrics:
             "spec_decode_num_draft_tokens_total", "Draft tokens verified.")
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        self.spec_decode_num_grammar_cut_tokens = counter(
+            "spec_decode_num_grammar_cut_tokens_total",
+            "Proposed draft tokens cut before verification: the request's grammar refuses "
+            "them (structured outputs).")
         self._spec_decode_accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by their position in the draft (0 = first).",
@@ -301,6 +305,8 @@ class ServerMetrics:
             self.grammar_compile_time.observe(seconds)
         if stats.spec_num_drafts:
             self._on_spec_decode(stats)
+        if stats.spec_num_grammar_cut_tokens:  # a draft cut whole is not verified at all
+            self.spec_decode_num_grammar_cut_tokens.inc(stats.spec_num_grammar_cut_tokens)
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)

@@ -265,7 +265,9 @@ class Scheduler:
                     token_budget - 1, last_position - num_computed - 1,
                     request.max_tokens - request.num_output_tokens - 1))
                 if drafts and request.grammar is not None:
-                    drafts = request.grammar.valid_draft(drafts)  # cut where it is refused
+                    kept = request.grammar.valid_draft(drafts)  # cut where it is refused
+                    speculator.record_grammar_cut(len(drafts) - len(kept))
+                    drafts = kept
                 num_new_tokens += len(drafts)
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -667,6 +669,7 @@ class Scheduler:
             stats.spec_num_draft_tokens = spec.num_draft_tokens
             stats.spec_num_accepted_tokens = spec.num_accepted_tokens
             stats.spec_num_accepted_tokens_per_pos = spec.num_accepted_tokens_per_pos
+            stats.spec_num_grammar_cut_tokens = spec.num_grammar_cut_tokens
         return stats
 
     def reset_prefix_cache(self) -> bool:

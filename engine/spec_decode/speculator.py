@@ -38,6 +38,8 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     # accepted_per_pos[i]: drafts whose token i was accepted (i < num_speculative_tokens).
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Proposed draft tokens the request's grammar refused, cut before verification.
+    num_grammar_cut_tokens: int = 0
 
 
 class _RequestSpec:
@@ -176,6 +178,11 @@ class Speculator:
         """(draft tokens proposed, accepted) for a live request; (0, 0) if none."""
         state = self._states.get(req_id)
         return (state.num_draft_tokens, state.num_accepted_tokens) if state else (0, 0)
+
+    def record_grammar_cut(self, num_cut: int) -> None:
+        """The scheduler cut `num_cut` tokens off a proposed draft: the request's grammar
+        refuses the first of them (structured outputs)."""
+        self._stats.num_grammar_cut_tokens += num_cut
 
     def take_stats(self) -> SpecDecodingStats:
         stats = self._stats

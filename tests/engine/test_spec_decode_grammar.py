@@ -248,6 +248,7 @@ class DraftCounts:
 
     def __init__(self, llm: LLM):
         self.proposed = self.cut = self.verified = self.accepted = 0
+        self.cut_tokens = self.reported_cut_tokens = 0
         core, scheduler = llm.engine_core, llm.engine_core.scheduler
         propose, schedule, step = scheduler.speculator.propose, scheduler.schedule, core.step
         last: dict[str, int] = {}
@@ -264,12 +265,14 @@ class DraftCounts:
             for req_id, num in last.items():
                 num_kept = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
                 self.cut += num_kept < num
+                self.cut_tokens += num - num_kept
             return output
 
         def counted_step():
             outputs = step()
             self.verified += outputs.scheduler_stats.spec_num_draft_tokens
             self.accepted += outputs.scheduler_stats.spec_num_accepted_tokens
+            self.reported_cut_tokens += outputs.scheduler_stats.spec_num_grammar_cut_tokens
             return outputs
 
         scheduler.speculator.propose, scheduler.schedule = counted_propose, counted_schedule
@@ -310,6 +313,7 @@ def test_greedy_constrained_outputs_with_ngram_drafts_equal_plain(engines, token
         np.testing.assert_allclose([lp.logprob for lp in g.outputs[0].logprobs],
                                    [lp.logprob for lp in w.outputs[0].logprobs], atol=1e-4)
     assert counts.proposed > 0 and counts.cut > 0
+    assert counts.reported_cut_tokens == counts.cut_tokens > 0  # the engine's own count
     assert 0 < counts.accepted < counts.verified
     assert_all_blocks_free(llm)
 

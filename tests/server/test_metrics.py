@@ -167,8 +167,12 @@ def test_spec_decode_counters():
     for _ in range(2):
         metrics.on_step(SchedulerStats(
             num_scheduled_tokens=10, spec_num_drafts=2, spec_num_draft_tokens=7,
-            spec_num_accepted_tokens=4, spec_num_accepted_tokens_per_pos=[2, 1, 1, 0]))
+            spec_num_accepted_tokens=4, spec_num_accepted_tokens_per_pos=[2, 1, 1, 0],
+            spec_num_grammar_cut_tokens=3))
+    # A step whose only draft the grammar cut whole: nothing verified, the cut counted.
+    metrics.on_step(SchedulerStats(num_scheduled_tokens=1, spec_num_grammar_cut_tokens=2))
     samples, types = parse(metrics.render()[0].decode())
+    assert value(samples, p("spec_decode_num_grammar_cut_tokens_total")) == 8
     assert value(samples, p("spec_decode_num_drafts_total")) == 4
     assert value(samples, p("spec_decode_num_draft_tokens_total")) == 14
     assert value(samples, p("spec_decode_num_accepted_tokens_total")) == 8

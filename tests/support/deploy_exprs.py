@@ -64,6 +64,7 @@ METRICS: dict[str, str] = {
     "pagedserve:spec_decode_num_drafts_total": "counter",
     "pagedserve:spec_decode_num_draft_tokens_total": "counter",
     "pagedserve:spec_decode_num_accepted_tokens_total": "counter",
+    "pagedserve:spec_decode_num_grammar_cut_tokens_total": "counter",
     "pagedserve:spec_decode_num_accepted_tokens_per_pos_total": "counter",
 }
 # Label values the server documents for its labelled counters.
