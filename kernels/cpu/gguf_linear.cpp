@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "madd512.h"
 #include "ops.h"
 #include "spin_pool.h"
 #include "vec8.h"
@@ -212,11 +213,7 @@ void q6k_rows(const uint8_t* wrow, const Int16Rows& a, int64_t m0, float* out,
 // AVX512-VNNI each multiply-add-accumulate is one vpdpwssd). Same integer sums, so the
 // same bounds; the float accumulation runs in 16 lanes instead of 8.
 inline __m512i dot_accumulate(__m512i acc, __m512i w, const int16_t* x) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512(x));
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_loadu_si512(x)));
-#endif
+  return madd_accumulate(acc, w, _mm512_loadu_si512(x));
 }
 
 template <int R>

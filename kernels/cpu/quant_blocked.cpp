@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "group32_activations.h"
+#include "madd512.h"
 #include "spin_pool.h"
 
 #if defined(__AVX2__)
@@ -69,11 +70,7 @@ constexpr int64_t kBytesPerGroup = kInt8 ? 512 : 256;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 inline __m512i pair_dot(__m512i acc, __m512i w, int32_t x_pair) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x_pair));
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x_pair)));
-#endif
+  return madd_accumulate(acc, w, _mm512_set1_epi32(x_pair));
 }
 
 // Quad t of a group's bytes as its two vectors of 16 lanes x 2 int16 (see the header).
