@@ -3,6 +3,7 @@ request: what a speculative verify step (1 + k rows) pays for attention.
 
     python -m benchmarks.attention_rows                     # SmolLM2's shape, 300 and 1000 keys
     python -m benchmarks.attention_rows --rows 1 4 8 --keys 300 --cache-dtype bfloat16
+    python -m benchmarks.attention_rows --cold   # K/V from memory: a cache per layer
 
 Calls `paged_attention` (kernels/cpu/paged_attention.cpp) directly on a random cache:
 rows r of one request see keys 1..len like a prompt chunk (the last row all `--keys`).
@@ -21,9 +22,11 @@ from benchmarks.compare_servers import cpu_flags
 
 
 def time_rows(ops, rows: int, keys: int, args: argparse.Namespace, dtype: torch.dtype) -> float:
-    """ms per call of `rows` query rows of one request whose last row sees `keys` keys."""
+    """ms per call of `rows` query rows of one request whose last row sees `keys` keys;
+    with --cold, each call reads the next of --layers caches, as a forward pass does."""
     num_blocks = -(-keys // args.block_size)
-    cache = torch.randn(2, args.kv_heads, num_blocks, args.block_size, args.head_size).to(dtype)
+    caches = [torch.randn(2, args.kv_heads, num_blocks, args.block_size, args.head_size).to(dtype)
+              for _ in range(args.layers if args.cold else 1)]
     table = torch.arange(num_blocks, dtype=torch.int32).reshape(1, num_blocks)
     query = torch.randn(rows, args.heads, args.head_size)
     out = torch.empty_like(query)
@@ -31,13 +34,15 @@ def time_rows(ops, rows: int, keys: int, args: argparse.Namespace, dtype: torch.
     # Row j sees keys - rows + 1 + j keys: rows 8, keys 300 -> 293 .. 300.
     seq_lens = torch.arange(keys - rows + 1, keys + 1, dtype=torch.int32)
     scale = args.head_size ** -0.5
-    for _ in range(10):
-        ops.paged_attention(out, query, cache, table, row_tables, seq_lens, scale)
+    for call in range(10):
+        ops.paged_attention(out, query, caches[call % len(caches)], table, row_tables,
+                            seq_lens, scale)
     best = float("inf")
     for _ in range(args.repeats):
         started = time.perf_counter()
-        for _ in range(args.calls):
-            ops.paged_attention(out, query, cache, table, row_tables, seq_lens, scale)
+        for call in range(args.calls):
+            ops.paged_attention(out, query, caches[call % len(caches)], table, row_tables,
+                                seq_lens, scale)
         best = min(best, (time.perf_counter() - started) / args.calls)
     return best * 1e3
 
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], float]:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--cold", action="store_true",
+                        help="a cache per layer, called in turn: K/V come from memory as in "
+                             "a forward pass (by default one cache, which stays in the CPU's "
+                             "caches: the kernel's compute alone)")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
@@ -65,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], float]:
     if ops is None:
         raise SystemExit("the C++ CPU kernels are not available (no compiler?)")
     dtype = getattr(torch, args.cache_dtype)
-    print(f"CPU flags: {cpu_flags()}; threads {torch.get_num_threads()}; cache {args.cache_dtype}")
+    print(f"CPU flags: {cpu_flags()}; threads {torch.get_num_threads()}; cache {args.cache_dtype}"
+          + (f", one per layer ({args.layers}, --cold)" if args.cold else ", one (hot)"))
     print(f"ms per layer (x{args.layers} layers) for query rows of one request:")
     results = {}
     for keys in args.keys:
