@@ -65,6 +65,9 @@ class SamplingState:
         self._num_logprobs = np.full(n, -1, dtype=np.int64)
         self._seeded = np.zeros(n, dtype=bool)  # random row with its own generator
         self._has_bias = np.zeros(n, dtype=bool)
+        # Greedy with nothing to apply (no penalty, logit bias, min_tokens masking or
+        # logprobs): a batch of only such rows needs no per-row gather.
+        self._plain_greedy = np.zeros(n, dtype=bool)
         self._generators: list[torch.Generator | None] = [None] * n
         self._bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
         self._min_tokens_ids: list[np.ndarray | None] = [None] * n  # EOS + stop ids
@@ -148,6 +151,9 @@ class SamplingState:
             or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0
         )
+        self._plain_greedy[row] = (greedy and not has_penalty and bias is None
+                                   and self._min_tokens_ids[row] is None
+                                   and params.logprobs is None)
         if has_penalty:
             slot = self._alloc_slot()
             self._pen_slot[row] = slot
@@ -165,6 +171,7 @@ class SamplingState:
             return None
         generator = self._generators[row]
         self._active[row] = False
+        self._plain_greedy[row] = False
         self._generators[row] = None
         self._seeded[row] = False
         self._bias[row] = None
@@ -185,10 +192,11 @@ class SamplingState:
             self._pending_tokens.append(np.array([token_id], np.int64))
 
     def append_output_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Vectorised `append_output_token` for distinct `rows`."""
+        """Vectorised `append_output_token`: token `token_ids[i]` for row `rows[i]`; a
+        row may repeat (a request that emitted several tokens in one step)."""
         rows = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        self._num_output[rows] += 1
+        np.add.at(self._num_output, rows, 1)
         slots = self._pen_slot[rows]
         keep = slots >= 0
         if keep.any():
@@ -201,10 +209,24 @@ class SamplingState:
 
     # ------------------------------------------------------------------ metadata
     def make_metadata(self, row_indices: np.ndarray) -> SamplingMetadata:
-        """Gather the rows of one step, in batch order, into a `SamplingMetadata`."""
+        """Gather the rows of one step, in batch order, into a `SamplingMetadata`.
+
+        A batch of plain greedy rows (the common greedy step) gets its metadata without
+        the per-feature gathers; it equals `_gather_metadata`'s for those rows.
+        """
         rows = np.asarray(row_indices, dtype=np.int64)
         if rows.ndim != 1:
             raise ValueError("row_indices must be one-dimensional")
+        num_reqs = len(rows)
+        if num_reqs and self._plain_greedy[rows].all():  # implies every row is active
+            return SamplingMetadata(
+                num_reqs=num_reqs, vocab_size=self.vocab_size, all_greedy=True,
+                all_random=False, num_logprobs=np.full(num_reqs, -1, np.int64))
+        return self._gather_metadata(rows)
+
+    def _gather_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """`make_metadata` for any batch: each stage's tensors gathered for the rows
+        that use it."""
         if not self._active[rows].all():
             raise ValueError("make_metadata was given a row with no request")
         num_reqs = len(rows)

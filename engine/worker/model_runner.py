@@ -48,7 +48,9 @@ class ModelInputs:
     extra_group_metadata: list[AttentionMetadata]
     # Requests that sample this step (their whole known sequence is now computed).
     sample_req_indices: np.ndarray  # indices into req_ids
-    logits_indices: torch.Tensor  # token index of each sampling request's last token
+    # Token index of each sampling request's last token; None when every token of the
+    # step is one (a decode step): the logits rows are the hidden states' rows.
+    logits_indices: torch.Tensor | None
     # Speculative decoding (None in a step without drafts): logits_indices then holds
     # each sampling request's last 1 + k tokens; num_sample_rows[i] = 1 + k of request
     # sample_req_indices[i]; draft_token_ids the draft each of those rows verifies
@@ -355,7 +357,9 @@ class ModelRunner:
             attn_metadata=metadata,
             extra_group_metadata=extra_group_metadata,
             sample_req_indices=sample_req_indices,
-            logits_indices=torch.from_numpy(logits_indices).to(self.device),
+            # The indices increase, so as many as there are tokens are all of them.
+            logits_indices=(None if len(logits_indices) == total
+                            else torch.from_numpy(logits_indices).to(self.device)),
             num_sample_rows=num_sample_rows,
             draft_token_ids=draft_token_ids,
         )
@@ -385,6 +389,12 @@ class ModelRunner:
         return AttentionMetadata.from_host(query_start_loc, seq_lens, block_table,
                                            slot_mapping, self.device)
 
+    def _compute_logits(self, inputs: ModelInputs, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of the step's sampling rows [rows, vocab]."""
+        if inputs.logits_indices is not None:
+            hidden_states = hidden_states.index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden_states)
+
     def _sample(
         self, inputs: ModelInputs, hidden_states: torch.Tensor,
         grammar: GrammarBitmask | None = None,
@@ -392,7 +402,7 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         if len(inputs.sample_req_indices) == 0:
             return sampled_token_ids, {}
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self._compute_logits(inputs, hidden_states)
         sample_rows = inputs.row_indices[inputs.sample_req_indices]
         metadata = self.sampling_state.make_metadata(sample_rows)
         if grammar is not None:
@@ -405,7 +415,8 @@ class ModelRunner:
                 metadata.grammar_bitmask = (grammar.bitmask if len(masks) == len(grammar.req_ids)
                                             else grammar.bitmask[masks])
         output = self.sampler(logits, metadata)
-        sampled = output.sampled_token_ids.cpu().numpy()
+        sampled = output.sampled_token_ids
+        sampled = sampled.numpy() if sampled.is_cpu else sampled.cpu().numpy()
         # Bookkeeping of the sampled tokens, for all rows at once (rows are distinct):
         # each token goes to its row's next position and the sampling state's counts.
         batch = self.input_batch
@@ -446,11 +457,12 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         if len(inputs.sample_req_indices) == 0:
             return sampled_token_ids, {}
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self._compute_logits(inputs, hidden_states)
         num_rows = inputs.num_sample_rows
         starts = np.cumsum(num_rows) - num_rows
         sample_rows = inputs.row_indices[inputs.sample_req_indices]
-        metadata = self.sampling_state.make_metadata(np.repeat(sample_rows, num_rows))
+        logits_rows = np.repeat(sample_rows, num_rows)  # the batch row of each logits row
+        metadata = self.sampling_state.make_metadata(logits_rows)
         if grammar is not None:
             self._set_draft_grammar_rows(metadata, grammar, inputs, starts)
         verified = self.draft_verifier(logits, metadata, inputs.draft_token_ids, num_rows)
@@ -461,22 +473,29 @@ class ModelRunner:
             both = tp_group.broadcast_from_first(both).cpu().numpy()
             emitted, num_accepted = both[:len(emitted)], both[len(emitted):]
         num_emitted = num_accepted + 1
-        # Bookkeeping, as in `_sample`: column j holds each request's j-th new token.
+        # Bookkeeping, as in `_sample`, of all emitted tokens at once. Worked example:
+        # logits_rows [4, 4, 4, 9] (num_rows [3, 1]), num_emitted [2, 1]:
+        #   offsets = [0, 1, 2, 0]      (index of each logits row in its request)
+        #   emitted rows = offsets < [2, 2, 2, 1] = [T, T, F, T]
+        #   batch row 4 gets its 2 tokens at num_tokens[4] + [0, 1], row 9 one token.
+        offsets = np.arange(len(emitted)) - np.repeat(starts, num_rows)
+        is_emitted = offsets < np.repeat(num_emitted, num_rows)
+        rows, token_ids = logits_rows[is_emitted], emitted[is_emitted]
         batch = self.input_batch
-        for j in range(int(num_emitted.max())):
-            has = np.flatnonzero(num_emitted > j)
-            rows, token_ids = sample_rows[has], emitted[starts[has] + j]
-            batch.token_ids[rows, batch.num_tokens[rows]] = token_ids
-            batch.num_tokens[rows] += 1
-            self.sampling_state.append_output_tokens(rows, token_ids)
+        batch.token_ids[rows, batch.num_tokens[rows] + offsets[is_emitted]] = token_ids
+        batch.num_tokens[sample_rows] += num_emitted
+        self.sampling_state.append_output_tokens(rows, token_ids)
+        token_id_list = token_ids.tolist()
         req_ids, requests = inputs.req_ids, self.requests
         lp = verified.logprobs
         lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
             if lp is not None else None
         logprobs: dict[str, Logprobs] = {}
+        first_token = 0  # of the request, in token_id_list
         for i, req_index in enumerate(inputs.sample_req_indices.tolist()):
             start, count = int(starts[i]), int(num_emitted[i])
-            token_ids = emitted[start:start + count].tolist()
+            token_ids = token_id_list[first_token:first_token + count]
+            first_token += count
             sampled_token_ids[req_index] = token_ids
             state = requests[req_ids[req_index]]
             state.output_token_ids.extend(token_ids)
