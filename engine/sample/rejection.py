@@ -76,20 +76,20 @@ class DraftVerifier:
         logits = process_logits(logits, md)
         logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.all_greedy:
-            # A row without a draft (-1) never matches its argmax (>= 0).
             emitted = greedy_argmax(logits)
             emitted = emitted.numpy() if emitted.is_cpu else emitted.cpu().numpy()
-            accepted = emitted == draft_token_ids
+            # A row's draft is accepted when it is the argmax; no draft (-1) never is.
+            rejected = np.flatnonzero(emitted != draft_token_ids)
         else:
             emitted, accepted = self._verify_random(logits, md, draft_token_ids,
                                                     draft_token_ids >= 0)
+            rejected = np.flatnonzero(~accepted)
         # Worked example: num_rows [3, 1], drafts [7, 9, -1, -1], accepted [T, F, F, F]
         # (a request's last row has no draft, so every request has a rejected row):
         #   starts = [0, 3]; rejected rows = [1, 2, 3]
         #   first rejected row at or after each start = [1, 3] -> num_accepted = [1, 0];
         #   rows before their request's first rejection emit their draft: row 0 -> 7.
         starts = np.cumsum(num_rows) - num_rows
-        rejected = np.flatnonzero(~accepted)
         first_stop = rejected[np.searchsorted(rejected, starts)]
         num_accepted = first_stop - starts
         if not md.all_greedy:  # an accepted greedy row's argmax already is its draft

@@ -61,7 +61,11 @@ class SamplingState:
         self._frequency = np.zeros(n, dtype=np.float32)
         self._presence = np.zeros(n, dtype=np.float32)
         self._min_tokens = np.zeros(n, dtype=np.int64)
+        # Outputs so far; exact for the rows that read it (min_tokens masking), counted
+        # only while such a row or a penalised one is in the state (`_num_counting`).
         self._num_output = np.zeros(n, dtype=np.int64)
+        self._counts_outputs = np.zeros(n, dtype=bool)
+        self._num_counting = 0
         self._num_logprobs = np.full(n, -1, dtype=np.int64)
         self._seeded = np.zeros(n, dtype=bool)  # random row with its own generator
         self._has_bias = np.zeros(n, dtype=bool)
@@ -151,6 +155,9 @@ class SamplingState:
             or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0
         )
+        counts_outputs = has_penalty or self._min_tokens_ids[row] is not None
+        self._counts_outputs[row] = counts_outputs
+        self._num_counting += counts_outputs
         self._plain_greedy[row] = (greedy and not has_penalty and bias is None
                                    and self._min_tokens_ids[row] is None
                                    and params.logprobs is None)
@@ -172,6 +179,8 @@ class SamplingState:
         generator = self._generators[row]
         self._active[row] = False
         self._plain_greedy[row] = False
+        self._num_counting -= bool(self._counts_outputs[row])
+        self._counts_outputs[row] = False
         self._generators[row] = None
         self._seeded[row] = False
         self._bias[row] = None
@@ -184,7 +193,10 @@ class SamplingState:
         return generator
 
     def append_output_token(self, row: int, token_id: int) -> None:
-        """Record one token sampled for `row` (for min_tokens and penalties)."""
+        """Record one token sampled for `row` (for min_tokens and penalties); nothing to
+        do while no row has either."""
+        if not self._num_counting:
+            return
         self._num_output[row] += 1
         slot = self._pen_slot[row]
         if slot >= 0:
@@ -194,6 +206,8 @@ class SamplingState:
     def append_output_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Vectorised `append_output_token`: token `token_ids[i]` for row `rows[i]`; a
         row may repeat (a request that emitted several tokens in one step)."""
+        if not self._num_counting:
+            return
         rows = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(token_ids, dtype=np.int64)
         np.add.at(self._num_output, rows, 1)

@@ -172,3 +172,27 @@ def test_repeated_rows_count_like_one_token_at_a_time():
     assert_metadata_equal(batched, one_by_one)
     assert batched.output_counts[0, 5] == 2 and batched.output_counts[1, 6] == 2
     assert batched.min_tokens_rows.tolist() == [0]  # row 1 has its 2 tokens
+
+
+def test_output_counts_kept_while_a_row_reads_them():
+    """Outputs are counted only while some row has min_tokens masking or a penalty: a
+    row that joins later, and one whose request leaves, still see exact counts."""
+    state = SamplingState(3, VOCAB, "cpu")
+    state.add_request(0, GREEDY, [1], [], EOS)
+    state.append_output_tokens(np.array([0]), np.array([5]))  # nobody reads counts yet
+    state.add_request(1, SamplingParams(temperature=0.0, min_tokens=2), [1], [], EOS)
+    rows = np.array([0, 1])
+    assert state.make_metadata(rows).min_tokens_rows.tolist() == [1]
+    state.append_output_tokens(rows, np.array([5, 6]))
+    assert state.make_metadata(rows).min_tokens_rows.tolist() == [1]  # 1 of 2 outputs
+    state.append_output_token(1, 7)
+    assert state.make_metadata(rows).min_tokens_rows is None
+    state.remove_request(1)
+    state.append_output_tokens(np.array([0]), np.array([5]))
+    state.add_request(2, SamplingParams(temperature=0.0, min_tokens=1), [1], [9], EOS)
+    assert state.make_metadata(np.array([0, 2])).min_tokens_rows is None  # resumed: 1 output
+    state.remove_request(2)
+    state.add_request(2, SamplingParams(temperature=0.0, min_tokens=1), [1], [], EOS)
+    assert state.make_metadata(np.array([2])).min_tokens_rows.tolist() == [0]
+    state.append_output_tokens(np.array([0, 2]), np.array([5, 8]))
+    assert state.make_metadata(np.array([2])).min_tokens_rows is None
