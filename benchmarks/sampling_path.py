@@ -8,7 +8,8 @@ time (one request in the batch). Each step's `ModelRunner._sample` (no drafts) o
 `_sample_with_drafts` (a verify step) is timed, and inside it the model's
 `compute_logits` (the lm_head); the difference is the sampling path proper: metadata,
 sampler or draft verifier, bookkeeping. It prints, per number of logits rows (1: a
-decode step; 1 + k: a verify step), the steps seen and the medians of the three.
+decode step; 1 + k: a verify step), the steps seen and the medians of the three, and of
+the step's `_prepare_inputs` (which gathers the sampling metadata, before the forward).
 
 The lm_head right after a forward reads its weight from memory, not cache, so it is
 slower here than in a loop of its own; the sampling path pays the same cold caches.
@@ -31,16 +32,26 @@ _SAMPLE_METHODS = ("_sample", "_sample_with_drafts")
 
 
 class StepTimer:
-    """Wraps the runner's sampling methods and its model's compute_logits (class-level
-    patches, undone by `restore`): per step, (rows, sample seconds, logits seconds)."""
+    """Wraps the runner's input preparation, sampling methods and its model's
+    compute_logits (class-level patches, undone by `restore`): per step, (rows, sample
+    seconds, logits seconds, prepare seconds)."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[int, float, float]] = []
-        self._logits_s = 0.0
+        self.steps: list[tuple[int, float, float, float]] = []
+        self._logits_s = self._prepare_s = 0.0
         self._rows = 0
-        self._originals = {name: getattr(ModelRunner, name) for name in _SAMPLE_METHODS}
-        for name, original in self._originals.items():
-            setattr(ModelRunner, name, self._timed(original))
+        self._originals = {name: getattr(ModelRunner, name)
+                           for name in (*_SAMPLE_METHODS, "_prepare_inputs")}
+        for name in _SAMPLE_METHODS:
+            setattr(ModelRunner, name, self._timed(self._originals[name]))
+        prepare = self._originals["_prepare_inputs"]
+
+        def timed_prepare(runner, scheduler_output):
+            start = time.perf_counter()
+            inputs = prepare(runner, scheduler_output)
+            self._prepare_s = time.perf_counter() - start
+            return inputs
+        ModelRunner._prepare_inputs = timed_prepare
 
     def _timed(self, method):
         def timed(runner, inputs, hidden_states, grammar=None):
@@ -49,7 +60,8 @@ class StepTimer:
             start = time.perf_counter()
             result = method(runner, inputs, hidden_states, grammar)
             if self._rows:  # a step in which some request sampled
-                self.steps.append((self._rows, time.perf_counter() - start, self._logits_s))
+                self.steps.append((self._rows, time.perf_counter() - start, self._logits_s,
+                                   self._prepare_s))
             return result
         return timed
 
@@ -71,18 +83,20 @@ class StepTimer:
         for name, original in self._originals.items():
             setattr(ModelRunner, name, original)
 
-    def table(self) -> list[tuple[int, int, float, float, float]]:
-        """(rows, steps, sample ms, lm_head ms, sample minus lm_head ms), medians."""
+    def table(self) -> list[tuple[int, int, float, float, float, float]]:
+        """(rows, steps, sample ms, lm_head ms, sample minus lm_head ms, prepare ms),
+        medians."""
         by_rows = collections.defaultdict(list)
-        for rows, sample_s, logits_s in self.steps:
-            by_rows[rows].append((sample_s, logits_s))
+        for rows, *times in self.steps:
+            by_rows[rows].append(times)
         out = []
         for rows in sorted(by_rows):
-            times = by_rows[rows]
-            out.append((rows, len(times),
-                        1e3 * statistics.median(s for s, _ in times),
-                        1e3 * statistics.median(lg for _, lg in times),
-                        1e3 * statistics.median(s - lg for s, lg in times)))
+            steps = by_rows[rows]
+            out.append((rows, len(steps),
+                        1e3 * statistics.median(s for s, _, _ in steps),
+                        1e3 * statistics.median(lg for _, lg, _ in steps),
+                        1e3 * statistics.median(s - lg for s, lg, _ in steps),
+                        1e3 * statistics.median(p for _, _, p in steps)))
         return out
 
 
@@ -100,11 +114,12 @@ def run(spec: str, max_tokens: int, num_prompts: int, k: int) -> None:
     finally:
         timer.restore()
     print(f"speculation {spec}: {len(timer.steps)} sampling steps")
-    print("| rows | steps | _sample ms | lm_head ms | sampling path ms |")
-    print("|---:|---:|---:|---:|---:|")
-    for rows, steps, sample_ms, logits_ms, path_ms in timer.table():
+    print("| rows | steps | _sample ms | lm_head ms | sampling path ms | _prepare_inputs ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for rows, steps, sample_ms, logits_ms, path_ms, prepare_ms in timer.table():
         if steps >= 3:
-            print(f"| {rows} | {steps} | {sample_ms:.3f} | {logits_ms:.3f} | {path_ms:.3f} |")
+            print(f"| {rows} | {steps} | {sample_ms:.3f} | {logits_ms:.3f} | {path_ms:.3f} "
+                  f"| {prepare_ms:.3f} |")
 
 
 def main() -> None:
