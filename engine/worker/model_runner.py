@@ -2,7 +2,9 @@
 
     execute_model(scheduler_output)
       _update_states   apply the scheduler's diff to the persistent batch
-      _prepare_inputs  build input_ids / positions / attention metadata (numpy)
+      _prepare_inputs  build input_ids / positions / attention metadata (numpy), and
+                       gather the sampling metadata (before the forward: what runs
+                       after the lm_head runs in cold caches, so it does little)
       forward          model(input_ids, positions) under the forward context; a pure
                        decode step replays a CUDA graph instead (worker/cuda_graphs.py)
                        (speculative draft_model: the draft model proposes the step's
