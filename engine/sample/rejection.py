@@ -75,24 +75,26 @@ class DraftVerifier:
         request (its drafts + 1). A float32 `logits` may be modified."""
         logits = process_logits(logits, md)
         logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        has_draft = draft_token_ids >= 0
         if md.all_greedy:
-            emitted = greedy_argmax(logits).numpy() if logits.is_cpu else \
-                greedy_argmax(logits).cpu().numpy()
-            accepted = has_draft & (emitted == draft_token_ids)
+            emitted = greedy_argmax(logits)
+            emitted = emitted.numpy() if emitted.is_cpu else emitted.cpu().numpy()
+            # A row's draft is accepted when it is the argmax; no draft (-1) never is.
+            rejected = np.flatnonzero(emitted != draft_token_ids)
         else:
-            emitted, accepted = self._verify_random(logits, md, draft_token_ids, has_draft)
-        # Worked example: num_rows [3, 1], accepted [T, F, -, -]:
-        #   starts = [0, 3]; stop = rows that end acceptance (a rejection or the last row)
-        #   first stop per request = [1, 3] -> num_accepted = [1, 0];
-        #   rows before their request's first stop emit their draft: row 0 -> 7.
-        starts = np.concatenate([[0], np.cumsum(num_rows)[:-1]])
-        row_index = np.arange(len(draft_token_ids))
-        stop = np.where(~accepted, row_index, len(row_index))
-        first_stop = np.minimum.reduceat(stop, starts)
+            emitted, accepted = self._verify_random(logits, md, draft_token_ids,
+                                                    draft_token_ids >= 0)
+            rejected = np.flatnonzero(~accepted)
+        # Worked example: num_rows [3, 1], drafts [7, 9, -1, -1], accepted [T, F, F, F]
+        # (a request's last row has no draft, so every request has a rejected row):
+        #   starts = [0, 3]; rejected rows = [1, 2, 3]
+        #   first rejected row at or after each start = [1, 3] -> num_accepted = [1, 0];
+        #   rows before their request's first rejection emit their draft: row 0 -> 7.
+        starts = np.cumsum(num_rows) - num_rows
+        first_stop = rejected[np.searchsorted(rejected, starts)]
         num_accepted = first_stop - starts
-        keep_draft = row_index < np.repeat(first_stop, num_rows)
-        emitted = np.where(keep_draft, draft_token_ids, emitted)
+        if not md.all_greedy:  # an accepted greedy row's argmax already is its draft
+            keep_draft = np.arange(len(draft_token_ids)) < np.repeat(first_stop, num_rows)
+            emitted = np.where(keep_draft, draft_token_ids, emitted)
         lp = None
         if logprobs is not None:
             lp = gather_logprobs(logprobs, torch.from_numpy(emitted),

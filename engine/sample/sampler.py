@@ -167,11 +167,11 @@ def greedy_argmax(logits: torch.Tensor, rows: np.ndarray | None = None) -> torch
         if rows is None:
             return logits.argmax(dim=-1)
         return logits[torch.from_numpy(rows).to(logits.device)].argmax(dim=-1)
-    array = logits.detach().numpy()
-    if rows is not None and len(rows) == 0:
-        return torch.zeros(0, dtype=torch.long)
+    array = (logits.detach() if logits.requires_grad else logits).numpy()
     if rows is None:
         return torch.from_numpy(array.argmax(axis=-1).astype(np.int64, copy=False))
+    if len(rows) == 0:
+        return torch.zeros(0, dtype=torch.long)
     # Worked example: rows [0, 1, 2, 5, 7, 8] -> runs [0, 3), [5, 6), [7, 9):
     #   run_starts = positions where rows[i] != rows[i-1] + 1 = [0, 3, 4]
     run_starts = np.flatnonzero(np.diff(rows, prepend=-2) != 1)
@@ -188,7 +188,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {md.num_reqs} rows")
     if logits.shape[1] != md.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns, vocab is {md.vocab_size}")
-    logits = logits.to(torch.float32)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if md.bias_rows is not None:
         logits.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
     if md.grammar_bitmask is not None:

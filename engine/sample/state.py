@@ -61,10 +61,17 @@ class SamplingState:
         self._frequency = np.zeros(n, dtype=np.float32)
         self._presence = np.zeros(n, dtype=np.float32)
         self._min_tokens = np.zeros(n, dtype=np.int64)
+        # Outputs so far; exact for the rows that read it (min_tokens masking), counted
+        # only while such a row or a penalised one is in the state (`_num_counting`).
         self._num_output = np.zeros(n, dtype=np.int64)
+        self._counts_outputs = np.zeros(n, dtype=bool)
+        self._num_counting = 0
         self._num_logprobs = np.full(n, -1, dtype=np.int64)
         self._seeded = np.zeros(n, dtype=bool)  # random row with its own generator
         self._has_bias = np.zeros(n, dtype=bool)
+        # Greedy with nothing to apply (no penalty, logit bias, min_tokens masking or
+        # logprobs): a batch of only such rows needs no per-row gather.
+        self._plain_greedy = np.zeros(n, dtype=bool)
         self._generators: list[torch.Generator | None] = [None] * n
         self._bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
         self._min_tokens_ids: list[np.ndarray | None] = [None] * n  # EOS + stop ids
@@ -148,6 +155,12 @@ class SamplingState:
             or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0
         )
+        counts_outputs = has_penalty or self._min_tokens_ids[row] is not None
+        self._counts_outputs[row] = counts_outputs
+        self._num_counting += counts_outputs
+        self._plain_greedy[row] = (greedy and not has_penalty and bias is None
+                                   and self._min_tokens_ids[row] is None
+                                   and params.logprobs is None)
         if has_penalty:
             slot = self._alloc_slot()
             self._pen_slot[row] = slot
@@ -165,6 +178,9 @@ class SamplingState:
             return None
         generator = self._generators[row]
         self._active[row] = False
+        self._plain_greedy[row] = False
+        self._num_counting -= bool(self._counts_outputs[row])
+        self._counts_outputs[row] = False
         self._generators[row] = None
         self._seeded[row] = False
         self._bias[row] = None
@@ -177,7 +193,10 @@ class SamplingState:
         return generator
 
     def append_output_token(self, row: int, token_id: int) -> None:
-        """Record one token sampled for `row` (for min_tokens and penalties)."""
+        """Record one token sampled for `row` (for min_tokens and penalties); nothing to
+        do while no row has either."""
+        if not self._num_counting:
+            return
         self._num_output[row] += 1
         slot = self._pen_slot[row]
         if slot >= 0:
@@ -185,10 +204,13 @@ class SamplingState:
             self._pending_tokens.append(np.array([token_id], np.int64))
 
     def append_output_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Vectorised `append_output_token` for distinct `rows`."""
+        """Vectorised `append_output_token`: token `token_ids[i]` for row `rows[i]`; a
+        row may repeat (a request that emitted several tokens in one step)."""
+        if not self._num_counting:
+            return
         rows = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        self._num_output[rows] += 1
+        np.add.at(self._num_output, rows, 1)
         slots = self._pen_slot[rows]
         keep = slots >= 0
         if keep.any():
@@ -201,10 +223,24 @@ class SamplingState:
 
     # ------------------------------------------------------------------ metadata
     def make_metadata(self, row_indices: np.ndarray) -> SamplingMetadata:
-        """Gather the rows of one step, in batch order, into a `SamplingMetadata`."""
+        """Gather the rows of one step, in batch order, into a `SamplingMetadata`.
+
+        A batch of plain greedy rows (the common greedy step) gets its metadata without
+        the per-feature gathers; it equals `_gather_metadata`'s for those rows.
+        """
         rows = np.asarray(row_indices, dtype=np.int64)
         if rows.ndim != 1:
             raise ValueError("row_indices must be one-dimensional")
+        num_reqs = len(rows)
+        if num_reqs and self._plain_greedy[rows].all():  # implies every row is active
+            return SamplingMetadata(
+                num_reqs=num_reqs, vocab_size=self.vocab_size, all_greedy=True,
+                all_random=False, num_logprobs=np.full(num_reqs, -1, np.int64))
+        return self._gather_metadata(rows)
+
+    def _gather_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """`make_metadata` for any batch: each stage's tensors gathered for the rows
+        that use it."""
         if not self._active[rows].all():
             raise ValueError("make_metadata was given a row with no request")
         num_reqs = len(rows)

@@ -2,7 +2,9 @@
 
     execute_model(scheduler_output)
       _update_states   apply the scheduler's diff to the persistent batch
-      _prepare_inputs  build input_ids / positions / attention metadata (numpy)
+      _prepare_inputs  build input_ids / positions / attention metadata (numpy), and
+                       gather the sampling metadata (before the forward: what runs
+                       after the lm_head runs in cold caches, so it does little)
       forward          model(input_ids, positions) under the forward context; a pure
                        decode step replays a CUDA graph instead (worker/cuda_graphs.py)
                        (speculative draft_model: the draft model proposes the step's
@@ -36,6 +38,18 @@ from engine.worker.input_batch import CachedRequestState, InputBatch
 
 
 @dataclass
+class DraftRows:
+    """The logits rows of a step with drafts: each sampling request's last 1 + k tokens
+    (worked example in `ModelRunner._draft_rows`). B sampling requests, R logits rows."""
+
+    num_rows: np.ndarray  # [B] 1 + k of each sampling request
+    starts: np.ndarray  # [B] its first logits row
+    offsets: np.ndarray  # [R] each logits row's index in its request, 0..k
+    batch_rows: np.ndarray  # [R] each logits row's row of the persistent batch
+    draft_token_ids: np.ndarray  # [R] the draft each row verifies; -1 on a request's last
+
+
+@dataclass
 class ModelInputs:
     """One step's tensors, in the scheduler's batch order."""
 
@@ -48,13 +62,17 @@ class ModelInputs:
     extra_group_metadata: list[AttentionMetadata]
     # Requests that sample this step (their whole known sequence is now computed).
     sample_req_indices: np.ndarray  # indices into req_ids
-    logits_indices: torch.Tensor  # token index of each sampling request's last token
+    sample_rows: np.ndarray  # their rows of the persistent batch
+    # Their sampling inputs, one row per logits row; None when no request samples.
+    # Gathered before the forward (which changes nothing they are made of), so the
+    # step's sampling after the lm_head does less.
+    sampling_metadata: SamplingMetadata | None
+    # Token index of each sampling request's last token; None when every token of the
+    # step is one (a decode step): the logits rows are the hidden states' rows.
+    logits_indices: torch.Tensor | None
     # Speculative decoding (None in a step without drafts): logits_indices then holds
-    # each sampling request's last 1 + k tokens; num_sample_rows[i] = 1 + k of request
-    # sample_req_indices[i]; draft_token_ids the draft each of those rows verifies
-    # (-1 on a request's last row).
-    num_sample_rows: np.ndarray | None = None
-    draft_token_ids: np.ndarray | None = None
+    # each sampling request's last 1 + k tokens.
+    drafts: DraftRows | None = None
 
 
 class ModelRunner:
@@ -161,7 +179,7 @@ class ModelRunner:
         if self.draft_model is not None:
             self._shadow_forward(inputs, scheduler_output.scheduled_spec_decode_tokens)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden_states)
-        if inputs.draft_token_ids is not None:
+        if inputs.drafts is not None:
             sampled = self._sample_with_drafts(inputs, hidden_states, scheduler_output.grammar)
         else:
             sampled = self._sample(inputs, hidden_states, scheduler_output.grammar)
@@ -342,11 +360,17 @@ class ModelRunner:
         # A request samples once every token it knows is computed; a request in the
         # middle of a chunked prefill does not.
         sample_req_indices = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        sample_rows = rows[sample_req_indices]
         logits_indices = cu_num_tokens[sample_req_indices] - 1
-        num_sample_rows = draft_token_ids = None
+        drafts = None
         if spec_tokens:
-            num_sample_rows, draft_token_ids, logits_indices = self._draft_rows(
-                [req_ids[i] for i in sample_req_indices.tolist()], spec_tokens, logits_indices)
+            drafts, logits_indices = self._draft_rows(
+                [req_ids[i] for i in sample_req_indices.tolist()], sample_rows, spec_tokens,
+                logits_indices)
+        sampling_metadata = None
+        if len(sample_req_indices):
+            sampling_metadata = self.sampling_state.make_metadata(
+                sample_rows if drafts is None else drafts.batch_rows)
         return ModelInputs(
             req_ids=req_ids,
             row_indices=rows,
@@ -355,35 +379,51 @@ class ModelRunner:
             attn_metadata=metadata,
             extra_group_metadata=extra_group_metadata,
             sample_req_indices=sample_req_indices,
-            logits_indices=torch.from_numpy(logits_indices).to(self.device),
-            num_sample_rows=num_sample_rows,
-            draft_token_ids=draft_token_ids,
+            sample_rows=sample_rows,
+            sampling_metadata=sampling_metadata,
+            # The indices increase, so as many as there are tokens are all of them.
+            logits_indices=(None if len(logits_indices) == total
+                            else torch.from_numpy(logits_indices).to(self.device)),
+            drafts=drafts,
         )
 
     @staticmethod
-    def _draft_rows(sample_req_ids: list[str], spec_tokens: dict[str, list[int]],
-                    last_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Logits rows of a step with drafts: each sampling request's last 1 + k tokens.
+    def _draft_rows(sample_req_ids: list[str], sample_rows: np.ndarray,
+                    spec_tokens: dict[str, list[int]],
+                    last_indices: np.ndarray) -> tuple[DraftRows, np.ndarray]:
+        """Logits rows of a step with drafts: each sampling request's last 1 + k tokens;
+        returns them and their token indices.
 
-        Worked example: last token indices [4, 9] (requests a, b), a has drafts [7, 8]:
-          num_rows        = [3, 1]
+        Worked example: last token indices [4, 9] (requests a, b in batch rows [6, 2]),
+        a has drafts [7, 8]:
+          num_rows        = [3, 1];  starts = [0, 3]
+          offsets         = [0, 1, 2, 0]
           logits_indices  = [2, 3, 4, 9]        (last - k .. last for each request)
+          batch_rows      = [6, 6, 6, 2]
           draft_token_ids = [7, 8, -1, -1]      (row i verifies draft i; the last row none)
         """
         drafts = [spec_tokens.get(req_id, ()) for req_id in sample_req_ids]
         num_rows = np.fromiter((len(d) + 1 for d in drafts), np.int64, len(drafts))
         total = int(num_rows.sum())
-        ends = np.cumsum(num_rows)
-        offsets = np.arange(total) - np.repeat(ends - num_rows, num_rows)  # 0..k per request
+        starts = np.cumsum(num_rows) - num_rows
+        offsets = np.arange(total) - np.repeat(starts, num_rows)
         logits_indices = np.repeat(last_indices - num_rows + 1, num_rows) + offsets
         draft_token_ids = np.full(total, -1, dtype=np.int64)
-        for start, draft in zip((ends - num_rows).tolist(), drafts, strict=True):
+        for start, draft in zip(starts.tolist(), drafts, strict=True):
             draft_token_ids[start:start + len(draft)] = draft
-        return num_rows, draft_token_ids, logits_indices
+        rows = DraftRows(num_rows, starts, offsets, np.repeat(sample_rows, num_rows),
+                         draft_token_ids)
+        return rows, logits_indices
 
     def _make_metadata(self, query_start_loc, seq_lens, block_table, slot_mapping):
         return AttentionMetadata.from_host(query_start_loc, seq_lens, block_table,
                                            slot_mapping, self.device)
+
+    def _compute_logits(self, inputs: ModelInputs, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of the step's sampling rows [rows, vocab]."""
+        if inputs.logits_indices is not None:
+            hidden_states = hidden_states.index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden_states)
 
     def _sample(
         self, inputs: ModelInputs, hidden_states: torch.Tensor,
@@ -392,9 +432,8 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         if len(inputs.sample_req_indices) == 0:
             return sampled_token_ids, {}
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        sample_rows = inputs.row_indices[inputs.sample_req_indices]
-        metadata = self.sampling_state.make_metadata(sample_rows)
+        logits = self._compute_logits(inputs, hidden_states)
+        sample_rows, metadata = inputs.sample_rows, inputs.sampling_metadata
         if grammar is not None:
             # Batch position of each constrained request among the sampling rows (the
             # scheduler sends masks only for requests that sample: normally all of them).
@@ -405,7 +444,8 @@ class ModelRunner:
                 metadata.grammar_bitmask = (grammar.bitmask if len(masks) == len(grammar.req_ids)
                                             else grammar.bitmask[masks])
         output = self.sampler(logits, metadata)
-        sampled = output.sampled_token_ids.cpu().numpy()
+        sampled = output.sampled_token_ids
+        sampled = sampled.numpy() if sampled.is_cpu else sampled.cpu().numpy()
         # Bookkeeping of the sampled tokens, for all rows at once (rows are distinct):
         # each token goes to its row's next position and the sampling state's counts.
         batch = self.input_batch
@@ -446,14 +486,12 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         if len(inputs.sample_req_indices) == 0:
             return sampled_token_ids, {}
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
-        num_rows = inputs.num_sample_rows
-        starts = np.cumsum(num_rows) - num_rows
-        sample_rows = inputs.row_indices[inputs.sample_req_indices]
-        metadata = self.sampling_state.make_metadata(np.repeat(sample_rows, num_rows))
+        logits = self._compute_logits(inputs, hidden_states)
+        metadata, drafts = inputs.sampling_metadata, inputs.drafts
+        num_rows, starts = drafts.num_rows, drafts.starts
         if grammar is not None:
-            self._set_draft_grammar_rows(metadata, grammar, inputs, starts)
-        verified = self.draft_verifier(logits, metadata, inputs.draft_token_ids, num_rows)
+            self._set_draft_grammar_rows(metadata, grammar, inputs)
+        verified = self.draft_verifier(logits, metadata, drafts.draft_token_ids, num_rows)
         emitted, num_accepted = verified.emitted_token_ids, verified.num_accepted
         tp_group = get_tp_group()
         if tp_group.size > 1:  # rank 0's random draws decide, as with FirstRankSampler
@@ -461,22 +499,27 @@ class ModelRunner:
             both = tp_group.broadcast_from_first(both).cpu().numpy()
             emitted, num_accepted = both[:len(emitted)], both[len(emitted):]
         num_emitted = num_accepted + 1
-        # Bookkeeping, as in `_sample`: column j holds each request's j-th new token.
+        # Bookkeeping, as in `_sample`, of all emitted tokens at once. Worked example:
+        # batch_rows [4, 4, 4, 9] (num_rows [3, 1]), offsets [0, 1, 2, 0], num_emitted [2, 1]:
+        #   emitted rows = offsets < [2, 2, 2, 1] = [T, T, F, T]
+        #   batch row 4 gets its 2 tokens at num_tokens[4] + [0, 1], row 9 one token.
+        is_emitted = drafts.offsets < np.repeat(num_emitted, num_rows)
+        rows, token_ids = drafts.batch_rows[is_emitted], emitted[is_emitted]
         batch = self.input_batch
-        for j in range(int(num_emitted.max())):
-            has = np.flatnonzero(num_emitted > j)
-            rows, token_ids = sample_rows[has], emitted[starts[has] + j]
-            batch.token_ids[rows, batch.num_tokens[rows]] = token_ids
-            batch.num_tokens[rows] += 1
-            self.sampling_state.append_output_tokens(rows, token_ids)
+        batch.token_ids[rows, batch.num_tokens[rows] + drafts.offsets[is_emitted]] = token_ids
+        batch.num_tokens[inputs.sample_rows] += num_emitted
+        self.sampling_state.append_output_tokens(rows, token_ids)
+        token_id_list = token_ids.tolist()
         req_ids, requests = inputs.req_ids, self.requests
         lp = verified.logprobs
         lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()) \
             if lp is not None else None
         logprobs: dict[str, Logprobs] = {}
+        first_token = 0  # of the request, in token_id_list
         for i, req_index in enumerate(inputs.sample_req_indices.tolist()):
             start, count = int(starts[i]), int(num_emitted[i])
-            token_ids = emitted[start:start + count].tolist()
+            token_ids = token_id_list[first_token:first_token + count]
+            first_token += count
             sampled_token_ids[req_index] = token_ids
             state = requests[req_ids[req_index]]
             state.output_token_ids.extend(token_ids)
@@ -492,7 +535,7 @@ class ModelRunner:
 
     @staticmethod
     def _set_draft_grammar_rows(metadata: SamplingMetadata, grammar: GrammarBitmask,
-                                inputs: ModelInputs, starts: np.ndarray) -> None:
+                                inputs: ModelInputs) -> None:
         """Point each constrained request's mask rows at its logits rows in a step with
         drafts: a request's rows are consecutive in both (GrammarBitmask's contract).
 
@@ -501,7 +544,7 @@ class ModelRunner:
           grammar.req_ids [c, a], num_rows [2, 3]: bitmask rows c c a a a
           grammar_rows = [4, 5, 0, 1, 2]; grammar_bitmask = bitmask rows [0, 1, 2, 3, 4]
         """
-        num_rows = inputs.num_sample_rows
+        num_rows, starts = inputs.drafts.num_rows, inputs.drafts.starts
         rows_of = {inputs.req_ids[r]: (int(starts[i]), int(num_rows[i]))
                    for i, r in enumerate(inputs.sample_req_indices)}
         counts = grammar.num_rows or [1] * len(grammar.req_ids)
