@@ -9,15 +9,14 @@ Three extra compiles (~40 s each): extended.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.models.quant import QuantSpec, quantize, unpack_int4
 from kernels.reference import quant_linear_ref
+from tests.support.isa_builds import build_for_isa
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels" / "cpu"
 BINDING = r"""
 #include <torch/extension.h>
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
@@ -54,19 +53,13 @@ FLAGS = {"avx2": ["-O2", "-mavx2", "-mfma", "-mf16c"], "portable": ["-O2", "-mno
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 @pytest.mark.parametrize("isa", sorted(FLAGS))
 def test_blocked_builds_match_the_reference(isa, tmp_path):
-    from torch.utils.cpp_extension import load
-
     from engine import cpu_info
 
     if isa.startswith("avx512") and not {"avx512f", "avx512bw"} <= cpu_info.cpu_flags():
         pytest.skip("this CPU has no AVX-512")
 
-    binding = tmp_path / "binding.cpp"
-    binding.write_text(BINDING)
-    ext = load(name=f"pagedserve_quant_blocked_{isa.replace('-', '_')}",
-               sources=[str(binding), str(KERNELS / "quant_blocked.cpp")],
-               extra_cflags=FLAGS[isa] + ["-fopenmp"], extra_include_paths=[str(KERNELS)],
-               build_directory=str(tmp_path))
+    ext = build_for_isa(f"pagedserve_quant_blocked_{isa.replace('-', '_')}",
+                        "quant_blocked.cpp", BINDING, FLAGS[isa], tmp_path)
     torch.manual_seed(0)
     for spec in (QuantSpec("int4"), QuantSpec("int4", symmetric=True), QuantSpec("int8")):
         w = quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)

@@ -310,10 +310,7 @@ def test_cpu_kernel_prompt_rows_match_reference(num_heads, num_kv_heads, block_s
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     batch.kv_cache = batch.kv_cache.to(cache_dtype).float()
     head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
-    row_tables = torch.cat([torch.full((q,), r, dtype=torch.int32)
-                            for r, (_, q) in enumerate(specs)])
-    row_lens = torch.cat([torch.arange(ctx + 1, ctx + q + 1, dtype=torch.int32)
-                          for ctx, q in specs])
+    row_tables, row_lens = chunk_rows(specs)
     out = torch.full_like(batch.query, float("nan"))
     scale = 64**-0.5
     kernel(out, batch.query, head_major, batch.block_table, row_tables, row_lens, scale)
@@ -322,31 +319,36 @@ def test_cpu_kernel_prompt_rows_match_reference(num_heads, num_kv_heads, block_s
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 80)],
-                         ids=["gqa9x3-d64", "mha4-d80"])
-@pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
-def test_cpu_kernel_rows_are_batch_invariant(num_heads, num_kv_heads, head_size, window,
-                                             cache_dtype):
-    """A row's output is the same to the bit alone, in a run of its request's rows (a
-    chunk, a speculative step's rows) or in a shuffled batch where no two rows of a
-    request are neighbours: the kernel shares K/V reads across a run's rows but not
-    arithmetic."""
-    kernel = cpu_attention_kernel()
+def chunk_rows(specs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel rows of prompt chunks: (row_tables, seq_lens), one row per token.
+
+    Example, specs [(cached 3, 2 new), (0 cached, 1 new)]: row_tables [0, 0, 1], seq_lens
+    [4, 5, 1] (each token sees the keys up to its own position).
+    """
+    row_tables = torch.cat([torch.full((q,), r, dtype=torch.int32)
+                            for r, (_, q) in enumerate(specs)])
+    seq_lens = torch.cat([torch.arange(ctx + 1, ctx + q + 1, dtype=torch.int32)
+                          for ctx, q in specs])
+    return row_tables, seq_lens
+
+
+def check_rows_batch_invariant(attention, num_heads: int, num_kv_heads: int, head_size: int,
+                               cache_dtype: torch.dtype, window: int) -> None:
+    """`attention` (paged_attention's signature) on prompt chunks, a speculative step's
+    rows and decodes: equal to the reference, and each row's output the same to the bit
+    alone, in a run of its request's rows, or in a shuffled batch where no two rows of a
+    request are neighbours (the kernel shares K/V reads across a run, not arithmetic)."""
     specs = [(0, 20), (19, 8), (40, 3), (100, 1), (7, 2)]
     batch = make_batch(specs, num_heads, num_kv_heads, head_size, 16, num_pad=0, seed=3)
     reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(cache_dtype)
-    row_tables = torch.cat([torch.full((q,), r, dtype=torch.int32)
-                            for r, (_, q) in enumerate(specs)])
-    row_lens = torch.cat([torch.arange(ctx + 1, ctx + q + 1, dtype=torch.int32)
-                          for ctx, q in specs])
+    row_tables, row_lens = chunk_rows(specs)
     scale = head_size**-0.5
 
     def attend(rows: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(batch.query[rows], float("nan"))
-        kernel(out, batch.query[rows].contiguous(), head_major, batch.block_table,
-               row_tables[rows].contiguous(), row_lens[rows].contiguous(), scale, window)
+        attention(out, batch.query[rows].contiguous(), head_major, batch.block_table,
+                  row_tables[rows].contiguous(), row_lens[rows].contiguous(), scale, window)
         return out
 
     all_rows = torch.arange(len(row_tables))
@@ -359,6 +361,16 @@ def test_cpu_kernel_rows_are_batch_invariant(num_heads, num_kv_heads, head_size,
                                    batch.block_table, batch.query_start_loc, batch.seq_lens,
                                    scale, sliding_window=window or None)
     torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 80)],
+                         ids=["gqa9x3-d64", "mha4-d80"])
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
+def test_cpu_kernel_rows_are_batch_invariant(num_heads, num_kv_heads, head_size, window,
+                                             cache_dtype):
+    check_rows_batch_invariant(cpu_attention_kernel(), num_heads, num_kv_heads, head_size,
+                               cache_dtype, window)
 
 
 def test_kernel_rows_plan_worked_example():
