@@ -435,14 +435,7 @@ class ModelRunner:
         logits = self._compute_logits(inputs, hidden_states)
         sample_rows, metadata = inputs.sample_rows, inputs.sampling_metadata
         if grammar is not None:
-            # Batch position of each constrained request among the sampling rows (the
-            # scheduler sends masks only for requests that sample: normally all of them).
-            position = {inputs.req_ids[r]: i for i, r in enumerate(inputs.sample_req_indices)}
-            masks = [i for i, req_id in enumerate(grammar.req_ids) if req_id in position]
-            if masks:
-                metadata.grammar_rows = [position[grammar.req_ids[i]] for i in masks]
-                metadata.grammar_bitmask = (grammar.bitmask if len(masks) == len(grammar.req_ids)
-                                            else grammar.bitmask[masks])
+            self._set_grammar_rows(metadata, grammar, inputs)
         output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids
         sampled = sampled.numpy() if sampled.is_cpu else sampled.cpu().numpy()
@@ -490,7 +483,7 @@ class ModelRunner:
         metadata, drafts = inputs.sampling_metadata, inputs.drafts
         num_rows, starts = drafts.num_rows, drafts.starts
         if grammar is not None:
-            self._set_draft_grammar_rows(metadata, grammar, inputs)
+            self._set_grammar_rows(metadata, grammar, inputs)
         verified = self.draft_verifier(logits, metadata, drafts.draft_token_ids, num_rows)
         emitted, num_accepted = verified.emitted_token_ids, verified.num_accepted
         tp_group = get_tp_group()
@@ -534,17 +527,23 @@ class ModelRunner:
         return sampled_token_ids, logprobs
 
     @staticmethod
-    def _set_draft_grammar_rows(metadata: SamplingMetadata, grammar: GrammarBitmask,
-                                inputs: ModelInputs) -> None:
-        """Point each constrained request's mask rows at its logits rows in a step with
-        drafts: a request's rows are consecutive in both (GrammarBitmask's contract).
+    def _set_grammar_rows(metadata: SamplingMetadata, grammar: GrammarBitmask,
+                          inputs: ModelInputs) -> None:
+        """Point each constrained request's mask rows at its logits rows: one each in a
+        step without drafts (sampling request i's row is i), 1 + k consecutive rows in a
+        step with drafts (GrammarBitmask's contract). The scheduler sends masks only for
+        requests that sample: normally all of them.
 
         Worked example: sampling requests a (drafts [7, 8]), b (none), c (drafts [5]):
           logits rows  a a a b c c              -> a starts at 0, b at 3, c at 4
           grammar.req_ids [c, a], num_rows [2, 3]: bitmask rows c c a a a
           grammar_rows = [4, 5, 0, 1, 2]; grammar_bitmask = bitmask rows [0, 1, 2, 3, 4]
         """
-        num_rows, starts = inputs.drafts.num_rows, inputs.drafts.starts
+        if inputs.drafts is not None:
+            num_rows, starts = inputs.drafts.num_rows, inputs.drafts.starts
+        else:
+            starts = np.arange(len(inputs.sample_req_indices))
+            num_rows = np.ones_like(starts)
         rows_of = {inputs.req_ids[r]: (int(starts[i]), int(num_rows[i]))
                    for i, r in enumerate(inputs.sample_req_indices)}
         counts = grammar.num_rows or [1] * len(grammar.req_ids)

@@ -178,22 +178,22 @@ def test_free_reasoning_drafts_stop_before_the_grammar_starts(scheduler, tokeniz
 
 
 def test_runner_points_each_request_at_its_mask_rows():
-    """ModelRunner._set_draft_grammar_rows on GrammarBitmask's worked example."""
+    """ModelRunner._set_grammar_rows on GrammarBitmask's worked example."""
     drafts = SimpleNamespace(num_rows=np.array([3, 1, 2]), starts=np.array([0, 3, 4]))
     inputs = SimpleNamespace(req_ids=["a", "b", "c"], sample_req_indices=np.arange(3),
                              drafts=drafts)
     bitmask = torch.arange(5, dtype=torch.int32).unsqueeze(1)  # row r holds r
     metadata = SimpleNamespace(grammar_rows=None, grammar_bitmask=None)
     grammar = GrammarBitmask(["c", "a"], bitmask, num_rows=[2, 3])
-    ModelRunner._set_draft_grammar_rows(metadata, grammar, inputs)
+    ModelRunner._set_grammar_rows(metadata, grammar, inputs)
     assert metadata.grammar_rows == [4, 5, 0, 1, 2]
     assert metadata.grammar_bitmask[:, 0].tolist() == [0, 1, 2, 3, 4]
     # A constrained request without drafts in a step with drafts: one row, no num_rows.
     grammar = GrammarBitmask(["b"], bitmask[:1])
-    ModelRunner._set_draft_grammar_rows(metadata, grammar, inputs)
+    ModelRunner._set_grammar_rows(metadata, grammar, inputs)
     assert metadata.grammar_rows == [3] and metadata.grammar_bitmask[:, 0].tolist() == [0]
     with pytest.raises(ValueError, match="logits rows"):
-        ModelRunner._set_draft_grammar_rows(
+        ModelRunner._set_grammar_rows(
             metadata, GrammarBitmask(["a"], bitmask[:2], num_rows=[2]), inputs)
 
 
