@@ -26,6 +26,7 @@ from engine.structured_output import StructuredOutputsParams
 from engine.worker.model_runner import ModelRunner
 from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 from tests.support.scheduler import grammar_scheduler
+from tests.support.spec_decode import SpecCounts, assert_all_blocks_free
 
 VOCAB = 512
 K = 4
@@ -241,16 +242,16 @@ def valid(kind: str, spec: str, text: str) -> bool:
     return text in json.loads(spec)
 
 
-class DraftCounts:
-    """Drafts the proposer made, those the scheduler cut (the grammar refused a token:
-    the KV cache here is ample, so nothing is cut for lack of blocks), and the engine's
-    verified / accepted totals."""
+class DraftCounts(SpecCounts):
+    """`SpecCounts` plus the drafts the proposer made and those the scheduler cut,
+    counted here (the grammar refused a token: the KV cache here is ample, so nothing is
+    cut for lack of blocks)."""
 
     def __init__(self, llm: LLM):
-        self.proposed = self.cut = self.verified = self.accepted = 0
-        self.cut_tokens = self.reported_cut_tokens = 0
-        core, scheduler = llm.engine_core, llm.engine_core.scheduler
-        propose, schedule, step = scheduler.speculator.propose, scheduler.schedule, core.step
+        super().__init__(llm)
+        self.proposed = self.cut = self.cut_tokens = 0
+        scheduler = llm.engine_core.scheduler
+        propose, schedule = scheduler.speculator.propose, scheduler.schedule
         last: dict[str, int] = {}
 
         def counted_propose(request, max_drafts):
@@ -268,21 +269,7 @@ class DraftCounts:
                 self.cut_tokens += num - num_kept
             return output
 
-        def counted_step():
-            outputs = step()
-            self.verified += outputs.scheduler_stats.spec_num_draft_tokens
-            self.accepted += outputs.scheduler_stats.spec_num_accepted_tokens
-            self.reported_cut_tokens += outputs.scheduler_stats.spec_num_grammar_cut_tokens
-            return outputs
-
         scheduler.speculator.propose, scheduler.schedule = counted_propose, counted_schedule
-        core.step = counted_step
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    manager = llm.engine_core.scheduler.kv_cache_manager
-    assert manager.block_pool.get_num_free_blocks() == manager.num_blocks
-    assert manager.req_to_blocks == {}
 
 
 @pytest.fixture(scope="module")
@@ -313,8 +300,8 @@ def test_greedy_constrained_outputs_with_ngram_drafts_equal_plain(engines, token
         np.testing.assert_allclose([lp.logprob for lp in g.outputs[0].logprobs],
                                    [lp.logprob for lp in w.outputs[0].logprobs], atol=1e-4)
     assert counts.proposed > 0 and counts.cut > 0
-    assert counts.reported_cut_tokens == counts.cut_tokens > 0  # the engine's own count
-    assert 0 < counts.accepted < counts.verified
+    assert counts.grammar_cut_tokens == counts.cut_tokens > 0  # the engine's own count
+    assert 0 < counts.accepted < counts.draft_tokens
     assert_all_blocks_free(llm)
 
 

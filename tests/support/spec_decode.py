@@ -6,10 +6,12 @@ from engine import LLM
 
 
 class SpecCounts:
-    """Totals of the engine's spec-decode stats and of rollbacks that freed blocks."""
+    """Totals of the engine's spec-decode stats (draft tokens verified, accepted, cut by
+    the grammar) and of rollbacks that freed blocks."""
 
     def __init__(self, llm: LLM):
         self.draft_tokens = self.accepted = self.rollbacks_freeing_blocks = 0
+        self.grammar_cut_tokens = 0
         core, scheduler = llm.engine_core, llm.engine_core.scheduler
         step, schedule = core.step, scheduler.schedule
 
@@ -18,6 +20,7 @@ class SpecCounts:
             stats = outputs.scheduler_stats
             self.draft_tokens += stats.spec_num_draft_tokens
             self.accepted += stats.spec_num_accepted_tokens
+            self.grammar_cut_tokens += stats.spec_num_grammar_cut_tokens
             return outputs
 
         def counted_schedule():
