@@ -130,6 +130,9 @@ struct Scratch {
   std::vector<float> scores;  // [M, stride]: scores, then softmax weights
   std::vector<float> block;   // one K block widened to float32 (bfloat16/float16 caches)
   std::vector<float> inv_sums;
+  // Per query vector m: its query, its row of `scores`, its output.
+  std::vector<const float*> queries;
+  std::vector<float*> score_rows, outs;
 };
 
 // Scores of P keys x Q query vectors (P Q = 8, or anything with the plain sums):
@@ -232,8 +235,12 @@ void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& 
   const int64_t stride = (end - first + 7) / 8 * 8 + 8;
   scratch.scores.resize(num_vectors * stride);
   scratch.inv_sums.resize(num_vectors);
-  std::vector<const float*> queries(num_vectors);
-  std::vector<float*> scores(num_vectors), outs(num_vectors);
+  std::vector<const float*>& queries = scratch.queries;
+  std::vector<float*>& scores = scratch.score_rows;
+  std::vector<float*>& outs = scratch.outs;
+  queries.resize(num_vectors);
+  scores.resize(num_vectors);
+  outs.resize(num_vectors);
   for (int64_t m = 0; m < num_vectors; ++m) {
     const int64_t head = (run.row0 + m / group) * pb.num_heads + kv_head * group + m % group;
     queries[m] = pb.q_all + head * kHeadSize;
