@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "group32_activations.h"
 #include "madd512.h"
 #include "ops.h"
 #include "spin_pool.h"
@@ -49,6 +50,8 @@
 #endif
 
 namespace {
+
+using pagedserve::group32::abs_max32, pagedserve::group32::inverse_of, pagedserve::group32::round32;
 
 constexpr int64_t kSuper = 256;  // elements of a K-quant block (and of an activation group)
 
@@ -73,18 +76,12 @@ Int16Rows quantize_rows(const float* x, int64_t rows, int64_t cols) {
     for (int64_t g = 0; g < a.groups; ++g) {
       const float* xg = x + m * cols + g * kSuper;
       float amax = 0.f;
-      for (int64_t k = 0; k < kSuper; ++k) amax = std::max(amax, std::fabs(xg[k]));
+      for (int64_t j = 0; j < kSuper / 32; ++j) amax = std::max(amax, abs_max32(xg + 32 * j));
       const float scale = amax / 32767.f;
-      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-      int16_t* qg = a.q.data() + m * cols + g * kSuper;
-      for (int64_t j = 0; j < kSuper / 32; ++j) {
-        int32_t sum = 0;
-        for (int64_t k = 32 * j; k < 32 * j + 32; ++k) {
-          qg[k] = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
-          sum += qg[k];
-        }
-        a.sum32[(m * cols + g * kSuper) / 32 + j] = sum;
-      }
+      const float inverse = inverse_of(scale);
+      for (int64_t j = 0; j < kSuper / 32; ++j)
+        a.sum32[(m * cols + g * kSuper) / 32 + j] =
+            round32(xg + 32 * j, inverse, a.q.data() + m * cols + g * kSuper + 32 * j, 8);
       a.scale[m * a.groups + g] = scale;
     }
   return a;

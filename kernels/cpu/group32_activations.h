@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -47,6 +47,71 @@ struct QuantizedActivations {
   int64_t stride = 0;
 };
 
+// The two steps of rounding x to int16, 32 values at a time (also the GGUF kernels' groups
+// of 256: gguf_linear.cpp). The vector paths take the scalar path's operations: the same
+// max (exact in any order), the same product x * inverse rounded half to even (cvtps2dq
+// and nearbyint both use the default rounding mode), the same integer sum; so every build
+// gives the same bits.
+
+// max |x[k]| over 32 values.
+inline float abs_max32(const float* x) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x)),
+                                            _mm512_abs_ps(_mm512_loadu_ps(x + 16))));
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+#endif
+}
+
+// xq[k] = round(x[k] * inverse) for 32 values, returns sum(xq). The four runs of 8
+// (k 0-7, 8-15, 16-23, 24-31) go to dst, dst + run_stride, dst + 2 run_stride, and
+// dst + 3 run_stride (run_stride 8: in order).
+inline int32_t round32(const float* x, float inverse, int16_t* dst, int64_t run_stride) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 inv = _mm512_set1_ps(inverse);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), inv));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), inv));
+  const __m256i h0 = _mm512_cvtepi32_epi16(q0), h1 = _mm512_cvtepi32_epi16(q1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(h0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + run_stride), _mm256_extracti128_si256(h0, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * run_stride), _mm256_castsi256_si128(h1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 3 * run_stride), _mm256_extracti128_si256(h1, 1));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(__AVX2__)
+  const __m256 inv = _mm256_set1_ps(inverse);
+  __m256i total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inv));
+    total = _mm256_add_epi32(total, q);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i * run_stride),
+                     _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+  }
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+#else
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const int16_t q = static_cast<int16_t>(std::nearbyint(x[k] * inverse));
+    dst[(k / 8) * run_stride + k % 8] = q;
+    sum += q;
+  }
+  return sum;
+#endif
+}
+
+// 1 / scale, or 0 for an all-zero group (scale 0).
+inline float inverse_of(float scale) { return scale > 0.f ? 1.f / scale : 0.f; }
+
 inline QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t cols,
                                           bool pairs, bool transposed) {
   const int64_t groups = cols / kGroup;
@@ -59,21 +124,13 @@ inline QuantizedActivations quantize_activations(const float* x, int64_t rows, i
   qa.sums_t.resize(transposed ? rows * groups : 0);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
+      // pairs: run r (k = 8 r .. 8 r + 7) of group g sits at run 2 r + g % 2 of the pair's
+      // 64 values; natural order: at g * 32 + 8 r.
+      int16_t* dst = qa.values.data() + m * qa.stride +
+                     (pairs ? (g / 2) * 2 * kGroup + (g % 2) * 8 : g * kGroup);
       const float* xg = x + m * cols + g * kGroup;
-      float amax = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
-      const float scale = amax / 32767.f;
-      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-      int16_t* row = qa.values.data() + m * qa.stride;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int16_t q = static_cast<int16_t>(std::nearbyint(xg[k] * inverse));
-        // pairs: run k / 8 of group g sits at run 2 (k / 8) + g % 2 of the pair's 64.
-        const int64_t at = pairs ? (g / 2) * 2 * kGroup + (2 * (k / 8) + g % 2) * 8 + k % 8
-                                 : g * kGroup + k;
-        row[at] = q;
-        sum += q;
-      }
+      const float scale = abs_max32(xg) / 32767.f;
+      const int32_t sum = round32(xg, inverse_of(scale), dst, pairs ? 16 : 8);
       qa.scales[m * groups + g] = scale;
       qa.sums[m * groups + g] = scale * static_cast<float>(sum);
       if (transposed) {
