@@ -315,3 +315,37 @@ def test_q4_1_gguf_is_served_in_its_own_precision(tmp_path):
     reference_dir = export_dense_checkpoint(dense, hf_dir, tmp_path / "dequantized")
     reference = hf_greedy_reference(reference_dir, PROMPTS, 12, ignore_eos=True)
     assert assert_greedy_matches(got, reference, max_gap=NEAR_TIE_LOGPROB_GAP) <= 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["avx512_bf16", "no_bf16"])
+def test_few_row_limit_follows_the_model_dtype(tmp_path, monkeypatch, native_bf16):
+    """The tiled path decodes into the model's dtype, so each packed weight's few-row
+    limit is default_max_rows for that dtype (float32 tiles are slower: more rows stay
+    on the integer kernels), and --dtype auto's limit is the one of the dtype it picks."""
+    from engine import cpu_info
+    from engine.model_loader.weights import auto_cpu_dtype
+
+    flags = {"avx2", "avx512f", "avx512bw"} | ({"avx512_bf16"} if native_bf16 else set())
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.delenv("PAGEDSERVE_QUANT_MAX_ROWS", raising=False)
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "llama")
+    gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny.Q4_1.gguf", "llama",
+                                matrix_type=gguf.GGMLQuantizationType.Q4_1)
+    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    limits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(converted, dtype, "cpu", "auto")
+        packed = [m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None]
+        assert packed
+        for weight in packed:
+            kind = kernel_kind(weight.spec, weight.out_features)
+            assert weight.max_rows == default_max_rows(kind, dtype)
+            limits[dtype, kind] = weight.max_rows
+    blocked = [kind for _, kind in limits if kind.endswith("-blocked")]
+    assert blocked
+    for kind in blocked:
+        assert limits[torch.float32, kind] >= limits[torch.bfloat16, kind]
+        assert default_max_rows(kind) == default_max_rows(kind, auto_cpu_dtype()[0])
+        if native_bf16:  # bfloat16 tiles multiply natively: fewer rows stay on the kernel
+            assert limits[torch.float32, kind] > limits[torch.bfloat16, kind]

@@ -79,8 +79,10 @@ class GGUFLoadReport:
                 f"{self.packed_bytes / 2**20:.1f} MiB of packed weights")
 
 
-def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool) -> GGUFLoadReport:
-    """Fill every parameter of `model` from the GGUF file (see the module docstring)."""
+def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool,
+                      dtype: torch.dtype | None = None) -> GGUFLoadReport:
+    """Fill every parameter of `model` from the GGUF file (see the module docstring);
+    `dtype`: the model's, for each packed kernel's few-row limit (quant.default_max_rows)."""
     gguf = GGUFFile(gguf_path)
     check_tensors(gguf)
     report = GGUFLoadReport(Path(gguf_path))
@@ -95,7 +97,7 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool) -> GG
         module = _submodule(model, module_name)
         if (pack and info.ggml_type not in DENSE_TYPES and leaf == "weight"
                 and isinstance(module, (Linear, VocabEmbedding)) and len(info.shape) == 2):
-            pieces[module_name][shard] = _packed(gguf, gguf_name, heads, report)
+            pieces[module_name][shard] = _packed(gguf, gguf_name, heads, report, dtype)
             continue
         if "{expert}" in hf_name:
             for expert, weights in enumerate(gguf.load(gguf_name)):
@@ -141,7 +143,8 @@ def _rotary_heads(gguf: GGUFFile, gguf_name: str, config) -> int | None:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport):
+def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport,
+            dtype: torch.dtype | None):
     """The packed weight of one quantized 2-D tensor."""
     info = gguf.tensors[name]
     if info.ggml_type in REPACKED_SPECS or heads is not None:
@@ -152,12 +155,12 @@ def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport
         raw = gguf.raw(name)
     if info.ggml_type in REPACKED_SPECS:
         report.repacked_types[info.ggml_type.name] += 1
-        return repack(raw, info.ggml_type)
+        return repack(raw, info.ggml_type, dtype=dtype)
     report.packed_types[info.ggml_type.name] += 1
     with warnings.catch_warnings():  # the mapping is read-only; no kernel writes to it
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(raw)
-    return GGUFWeight(tensor, info.ggml_type, info.shape[-1])
+    return GGUFWeight(tensor, info.ggml_type, info.shape[-1], dtype=dtype)
 
 
 def _assemble(module: nn.Module, module_name: str, shards: dict[int | None, object]):

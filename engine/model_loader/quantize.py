@@ -63,13 +63,14 @@ def plan_quantization(model: nn.Module, requested: str, device: torch.device | s
 
 
 def quantize_model(model: nn.Module, requested: str = "auto",
-                   device: torch.device | str = "cpu", max_rows: int | None = None
-                   ) -> QuantizationReport:
-    """Quantize the loaded model's linears as planned; returns what was done."""
+                   device: torch.device | str = "cpu", max_rows: int | None = None,
+                   dtype: torch.dtype | None = None) -> QuantizationReport:
+    """Quantize the loaded model's linears as planned; returns what was done. `dtype`: the
+    model's, for each kernel's few-row limit (engine.models.quant.default_max_rows)."""
     report = QuantizationReport(requested)
     for name, spec in plan_quantization(model, requested, device).items():
         layer = model.get_submodule(name)
-        if spec is not None and layer.quantize(spec, max_rows):
+        if spec is not None and layer.quantize(spec, max_rows, dtype):
             report.specs[name] = spec
             report.quantized_bytes += layer.quantized.num_bytes
         else:

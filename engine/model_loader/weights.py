@@ -131,12 +131,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
             logger.info("%s: dequantizing every tensor to dense %s in memory (%s)",
                         gguf_file.name, dtype, why)
         with torch.device(device):
-            model.gguf_report = load_gguf_weights(model, gguf_file, pack)
+            model.gguf_report = load_gguf_weights(model, gguf_file, pack, dtype)
         logger.info("%s", model.gguf_report.summary())
     else:
         model.load_weights(iter_safetensors_slices(model_dir))
     model.eval().requires_grad_(False)
-    report: QuantizationReport = quantize_model(model, quantization, device)
+    report: QuantizationReport = quantize_model(model, quantization, device, dtype=dtype)
     model.quantization_report = report
     _return_freed_memory()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

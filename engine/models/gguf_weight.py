@@ -56,12 +56,12 @@ class GGUFWeight:
     """One weight [N, K] in a GGUF block format: `raw` uint8 [N, row_bytes], read in place."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, in_features: int,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, dtype: torch.dtype | None = None):
         self.raw = raw
         self.ggml_type = ggml_type
         self.out_features = raw.shape[0]
         self.in_features = in_features
-        self.max_rows = default_max_rows("gguf") if max_rows is None else max_rows
+        self.max_rows = default_max_rows("gguf", dtype) if max_rows is None else max_rows
         self._kernel = _kernels()
 
     @property
@@ -122,8 +122,8 @@ class StackedWeight:
         return torch.cat([p.dequantized() for p in self.parts])
 
 
-def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | None = None
-           ) -> QuantizedWeight:
+def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | None = None,
+           dtype: torch.dtype | None = None) -> QuantizedWeight:
     """A 32-block GGUF tensor (uint8 [N, K / 32 * block_bytes]) as an exact QuantizedWeight.
 
     Example, one Q4_1 block [d, m, qs[16]]: scales = d, mins = m, and the packed bytes are
@@ -136,7 +136,7 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
-    max_rows = default_max_rows(kernel_kind(spec, n)) if max_rows is None else max_rows
+    max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:

@@ -124,12 +124,13 @@ class Linear(nn.Module):
             return self.quantized.matmul(x, bias)
         return F.linear(x, self.weight, bias)
 
-    def quantize(self, spec: QuantSpec, max_rows: int | None = None) -> bool:
+    def quantize(self, spec: QuantSpec, max_rows: int | None = None,
+                 dtype: torch.dtype | None = None) -> bool:
         """Quantize the loaded weight and drop the dense one; False (and unchanged) if the
-        shape does not suit."""
+        shape does not suit. `dtype`: the model's (see quant.default_max_rows)."""
         if not can_quantize(self.out_features, self.in_features):
             return False
-        self.set_packed(quantize(self.weight.data, spec, max_rows))
+        self.set_packed(quantize(self.weight.data, spec, max_rows, dtype))
         return True
 
     def set_packed(self, packed) -> None:

@@ -44,33 +44,46 @@ BLOCK_ROWS = 16  # output rows per block of the blocked int4 / int8 layouts
 KERNEL_CALLS: Counter[str] = Counter()
 
 
-def default_max_rows(kind: str = "int4") -> int:
+def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> int:
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
     (decoded tiles and one matmul) on this CPU; `kind` "int4" / "int8" (row-major),
     "int4-blocked" / "int8-blocked" (blocks of 16 output rows) or "gguf" (the K-quant kernels of
-    kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind.
+    kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind. `dtype` is the
+    model's (activations') dtype, which the tiles are decoded into; None: the dtype that
+    `--dtype auto` picks on this CPU (bfloat16 where it has native bf16, else float32).
 
     `PAGEDSERVE_QUANT_MAX_ROWS` overrides it (0: always the tiled path). Measured with
-    `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with native bf16
-    (avx512_bf16), tiles multiply cheaply and the crossover is where the few-row
-    kernel's per-row work passes the decoding of a tile; in float32 (no native bf16) the
-    matmul itself costs more and the few-row kernels keep up to ~32 rows.
+    `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with bfloat16 tiles
+    on a CPU with native bf16 (avx512_bf16), tiles multiply cheaply and the crossover is
+    where the few-row kernel's per-row work passes the decoding of a tile; float32 tiles
+    cost more and the few-row kernels keep more rows.
     """
     override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
     if override:
         return int(override)
-    if kind == "int4-blocked" and cpu_info.vector_isa() == "avx512":
+    native_bf16 = cpu_info.native_bf16_reason() is not None
+    float32_tiles = not native_bf16 if dtype is None else dtype == torch.float32
+    avx512 = cpu_info.vector_isa() == "avx512"
+    if kind in ("int4-blocked", "int8-blocked") and avx512 and float32_tiles:
+        # float32 tiles (2026-12-02, Xeon avx512_vnni, `--dtype float32`), ms per layer
+        # few-row / tiled: int4 128 rows 65.0 / 101.5, 256: 119.7 / 149.9, 512: 215.7 /
+        # 458.1, 1024: 612.8 / 472.0; int8 128: 53.0 / 76.1, 512: 209.9 / 255.7, 1024:
+        # 559.8 / 582.4.
+        return 512
+    if kind == "int4-blocked" and avx512:
         # Blocked int4 (kernels/cpu/quant_blocked.cpp), bfloat16 tiles, ms per layer
         # few-row / tiled: 8 rows 7.1 / 50.0, 32: 23.6 / 54.4, 64: 36.8 / 60.4.
         return 64
-    if kind == "int8-blocked" and cpu_info.vector_isa() == "avx512":
+    if kind == "int8-blocked" and avx512:
         # Blocked int8, bfloat16 tiles, ms few-row / tiled (2026-12-02, Xeon avx512_vnni):
         # 1B layer 16 rows 11.1 / 23.1, 32: 24.0 / 25.3, 48: 35.2 / 29.3; SmolLM2's
         # lm_head (49152 x 576) 32 rows 8.0 / 9.6, 64: 16.9 / 11.5.
         return 32
-    if not cpu_info.native_bf16_reason():
-        # float32 tiles (AVX-512, 2 threads): Q4_K 47.5 vs 46.8 ms at 32 rows; int4 39.6 vs
-        # 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a float32 matmul's 242.5 at 32.)
+    if float32_tiles or not native_bf16:
+        # float32 tiles, or 16-bit ones whose matmuls this CPU emulates (AVX-512, 2
+        # threads): Q4_K 47.5 vs 46.8 ms at 32 rows (2026-12-02, Xeon: 30.7 / 41.9 at 32,
+        # 65.5 / 53.4 at 64); int4 39.6 vs 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a
+        # float32 matmul's 242.5 at 32.)
         return 32
     # bfloat16 tiles (oneDNN; this VM's AMX is unusable), ms per layer few-row / tiled: Q4_K 8 rows 14.7 / 12.3,
     # Q6_K 8: 13.1 / 14.2; int4 8: 15.1 / 19.7, 16: 28.2 / 18.3; int8 8: 13.0 / 18.5,
@@ -198,9 +211,10 @@ def can_quantize(out_features: int, in_features: int) -> bool:
     return in_features % GROUP_SIZE == 0
 
 
-def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
-             ) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None,
+             dtype: torch.dtype | None = None) -> QuantizedWeight:
     """Quantize a float weight [N, K], round to nearest, per group of 32 columns.
+    `max_rows` defaults to `default_max_rows` for the model's `dtype`.
 
     Scales and mins are rounded to float16 before the integers are computed from them.
     Values that already lie on such a grid (a dequantized GGUF Q4_0/Q4_1/Q8_0 tensor,
@@ -209,7 +223,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec, max_rows: int | None = None
     n, k = weight.shape
     if not can_quantize(n, k):
         raise ValueError(f"cannot quantize a [{n}, {k}] weight: K must be a multiple of 32")
-    max_rows = default_max_rows(kernel_kind(spec, n)) if max_rows is None else max_rows
+    max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
     w = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
     if spec.method == "int8":
         # Worked example, a group [0.5, -1.27, 0.1, ...]: scale = 1.27 / 127 = 0.01,
