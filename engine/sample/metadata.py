@@ -45,7 +45,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Penalties, only for the Bp rows that have one. None when no row has one.
     penalty_rows: torch.Tensor | None = None  # [Bp] long, batch positions
-    output_counts: torch.Tensor | None = None  # [Bp, V] int32, counts of output tokens
+    # [Bp, V] int32, counts of output tokens (a verify row's include the drafts before it)
+    output_counts: torch.Tensor | None = None
     prompt_mask: torch.Tensor | None = None  # [Bp, V] bool; None if no repetition penalty
     repetition_penalty: torch.Tensor | None = None  # [Bp] float32
     frequency_penalty: torch.Tensor | None = None  # [Bp] float32

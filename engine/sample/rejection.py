@@ -15,7 +15,8 @@ emits d_0..d_{a-1} and one more token t_a, where a is the number of accepted dra
     (1 - p_i(d_i)) * p_i(x) / (1 - p_i(d_i)) = p_i(x)).
 
 p_i is the distribution the ordinary sampler draws from (temperature, top-k/p, min-p,
-logit bias), processed by the same functions.
+logit bias, and over the history min_tokens and the penalties, for which row i's outputs
+include d_0..d_{i-1}: SamplingState.make_metadata), processed by the same functions.
 
     rows of one step (2 requests, drafts [7, 9] and none):
       row:     0      1      2      3

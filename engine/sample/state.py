@@ -222,8 +222,15 @@ class SamplingState:
         return int(self._active.sum())
 
     # ------------------------------------------------------------------ metadata
-    def make_metadata(self, row_indices: np.ndarray) -> SamplingMetadata:
+    def make_metadata(self, row_indices: np.ndarray, offsets: np.ndarray | None = None,
+                      draft_token_ids: np.ndarray | None = None) -> SamplingMetadata:
         """Gather the rows of one step, in batch order, into a `SamplingMetadata`.
+
+        A step with drafts has 1 + k rows per request (`row_indices` repeats its row):
+        `offsets[i]` is row i's place among them and `draft_token_ids[i]` the draft row i
+        checks, so row i comes after the request's tokens plus the drafts of rows
+        i - offsets[i] .. i - 1. Those drafts count as outputs of row i, for min_tokens
+        and the penalties, as they would if they had been sampled one at a time.
 
         A batch of plain greedy rows (the common greedy step) gets its metadata without
         the per-feature gathers; it equals `_gather_metadata`'s for those rows.
@@ -236,9 +243,10 @@ class SamplingState:
             return SamplingMetadata(
                 num_reqs=num_reqs, vocab_size=self.vocab_size, all_greedy=True,
                 all_random=False, num_logprobs=np.full(num_reqs, -1, np.int64))
-        return self._gather_metadata(rows)
+        return self._gather_metadata(rows, offsets, draft_token_ids)
 
-    def _gather_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _gather_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None,
+                         draft_token_ids: np.ndarray | None = None) -> SamplingMetadata:
         """`make_metadata` for any batch: each stage's tensors gathered for the rows
         that use it."""
         if not self._active[rows].all():
@@ -286,7 +294,9 @@ class SamplingState:
             pen_rows = rows[pen_pos]
             pen_slots = to_dev(slots[pen_pos])
             md.penalty_rows = to_dev(pen_pos)
-            md.output_counts = self._pen_counts[pen_slots]
+            md.output_counts = self._pen_counts[pen_slots]  # a copy: ours to change
+            if offsets is not None:
+                _count_preceding_drafts(md.output_counts, pen_pos, offsets, draft_token_ids)
             repetition = self._repetition[pen_rows]
             md.repetition_penalty = to_dev(repetition)
             md.frequency_penalty = to_dev(self._frequency[pen_rows])
@@ -302,7 +312,8 @@ class SamplingState:
             md.bias_token_ids = to_dev(np.concatenate([ids for ids, _ in parts]))
             md.bias_values = to_dev(np.concatenate([vals for _, vals in parts]))
 
-        need_min = np.flatnonzero(self._num_output[rows] < self._min_tokens[rows])
+        num_output = self._num_output[rows] + (0 if offsets is None else offsets)
+        need_min = np.flatnonzero(num_output < self._min_tokens[rows])
         if need_min.size:
             positions, token_ids = [], []
             for pos in need_min.tolist():
@@ -347,3 +358,17 @@ class SamplingState:
         flat = torch.from_numpy(slots * self.vocab_size + tokens).to(self.device)
         ones = torch.ones(flat.shape[0], dtype=torch.int32, device=self.device)
         self._pen_counts.view(-1).index_add_(0, flat, ones)
+
+
+def _count_preceding_drafts(counts: torch.Tensor, positions: np.ndarray, offsets: np.ndarray,
+                            draft_token_ids: np.ndarray) -> None:
+    """Add to counts[j] (the output counts of row positions[j]) the drafts before that
+    row in its request. Worked example: a request's rows 4, 5, 6 check drafts [7, 9, -1]
+    (offsets 0, 1, 2): row 4 keeps its counts, row 5 gets one more 7, row 6 one more 7
+    and one more 9."""
+    for j, pos in enumerate(positions.tolist()):
+        before = int(offsets[pos])
+        if before:
+            ids = torch.from_numpy(np.asarray(draft_token_ids[pos - before:pos], np.int64))
+            ids = ids.to(counts.device)
+            counts[j].index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))

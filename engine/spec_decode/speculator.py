@@ -74,15 +74,12 @@ class _RequestSpec:
 
 
 def may_speculate(params: Any, placeholders_only: bool = False) -> bool:
-    """Whether a request's sampling allows drafts: the verifier gives every draft
-    position the same sampling state, so history-dependent rules (penalties) opt out.
-    Grammars take part: the scheduler cuts a draft where the grammar refuses it and
-    gives each verified position its own mask; except with `placeholders_only`
-    (draft_model), whose tokens the scheduler never sees: there they opt out."""
-    return (params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0
-            and not (placeholders_only and params.structured_outputs is not None))
+    """Whether a request's sampling allows drafts. Every rule takes part: penalties and
+    min_tokens count each verified position's preceding drafts as outputs
+    (SamplingState.make_metadata); the scheduler cuts a draft where the request's grammar
+    refuses it and gives each verified position its own mask. Except grammars with
+    `placeholders_only` (draft_model), whose tokens the scheduler never sees: they opt out."""
+    return not (placeholders_only and params.structured_outputs is not None)
 
 
 class Speculator:
@@ -115,8 +112,7 @@ class Speculator:
                 self.num_speculative_tokens)
         num_drafts = min(state.draft_len, max_drafts)
         token_ids = request.all_token_ids
-        if (not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until
-                or request.num_output_tokens < request.sampling_params.min_tokens):
+        if not state.eligible or num_drafts <= 0 or len(token_ids) < state.paused_until:
             return []
         if self.placeholders_only:
             return [DRAFT_PLACEHOLDER] * num_drafts

@@ -369,8 +369,10 @@ class ModelRunner:
                 logits_indices)
         sampling_metadata = None
         if len(sample_req_indices):
-            sampling_metadata = self.sampling_state.make_metadata(
-                sample_rows if drafts is None else drafts.batch_rows)
+            sampling_metadata = (
+                self.sampling_state.make_metadata(sample_rows) if drafts is None
+                else self.sampling_state.make_metadata(drafts.batch_rows, drafts.offsets,
+                                                       drafts.draft_token_ids))
         return ModelInputs(
             req_ids=req_ids,
             row_indices=rows,

@@ -130,6 +130,34 @@ def test_stops_logprobs_and_n(model_dir, prompts, plain):
     assert_all_blocks_free(llm)
 
 
+def test_penalties_and_min_tokens_with_drafts_equal_plain(model_dir, prompts, plain):
+    """Rules over a request's history (repetition, frequency and presence penalties,
+    min_tokens) count each verified row's preceding drafts as outputs: greedy tokens with
+    drafts equal the plain run's, under HARD's chunking, prefix hits and preemption."""
+    plain_llm, reference = plain
+    some = prompts[:5]
+    # Each prompt's plain output would stop at its 4th token; min_tokens keeps it going.
+    stops = sorted({reference[tuple(p)].token_ids[3] for p in some})
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                       repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3),
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, min_tokens=12,
+                       stop_token_ids=stops, frequency_penalty=0.2),
+    ]
+    for params in cases:
+        want = plain_llm.generate(some, params, use_tqdm=False)
+        llm = LLM(model_dir, speculative_config=SPEC, **HARD)
+        use_oracle(llm, {tuple(p): o.outputs[0] for p, o in zip(some, want, strict=True)})
+        counts = SpecCounts(llm)
+        got = llm.generate(some, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert 0 < counts.accepted < counts.draft_tokens
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    # The rules changed the outputs (else this test could not tell rows apart).
+    assert want[0].outputs[0].token_ids != reference[tuple(some[0])].token_ids[:32]
+
+
 def test_sampled_requests_verify_their_drafts(model_dir, prompts, plain):
     """temperature > 0 with drafts: seeded outputs repeat, lengths and logprobs line up.
     (That the distribution is kept is tests/unit/sample/test_rejection.py.)"""

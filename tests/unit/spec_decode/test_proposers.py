@@ -129,10 +129,12 @@ def test_speculator_respects_limits_and_sampling_rules():
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     assert speculator.propose(_Request("a", tokens), 2) == [3, 1]
     assert speculator.propose(_Request("b", tokens), 0) == []
+    # History rules take part: each verified row counts the drafts before it
+    # (tests/unit/sample/test_verify_rows.py).
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.5)
-    assert speculator.propose(_Request("c", tokens, penalised), 4) == []
+    assert speculator.propose(_Request("c", tokens, penalised), 4) == [3, 1, 2]
     min_tokens = SamplingParams(temperature=0.0, min_tokens=3)
-    assert speculator.propose(_Request("d", tokens, min_tokens), 4) == []
+    assert speculator.propose(_Request("d", tokens, min_tokens), 4) == [3, 1, 2]
 
 
 def test_draft_model_speculator_proposes_placeholders_within_the_same_limits():
@@ -144,7 +146,7 @@ def test_draft_model_speculator_proposes_placeholders_within_the_same_limits():
     assert speculator.propose(_Request("a", tokens), 16) == [DRAFT_PLACEHOLDER] * 4
     assert speculator.propose(_Request("b", tokens), 2) == [DRAFT_PLACEHOLDER] * 2
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.2)
-    assert speculator.propose(_Request("c", tokens, penalised), 4) == []
+    assert speculator.propose(_Request("c", tokens, penalised), 4) == [DRAFT_PLACEHOLDER] * 4
     speculator.record("a", 4, 1, 5)  # rejected at position 1: the next draft is 2 long
     assert speculator.propose(_Request("a", tokens), 16) == [DRAFT_PLACEHOLDER] * 2
     # The scheduler cannot check placeholders against a grammar: constrained requests

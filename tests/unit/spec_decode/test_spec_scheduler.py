@@ -149,7 +149,11 @@ def test_may_draft_says_when_a_step_may_carry_drafts():
     scheduler = make_spec_scheduler(disable_by_batch_size=2)
     assert not scheduler.may_draft()  # nothing runs
     add(scheduler, "r0", CYCLE * 2)
-    add(scheduler, "r1", CYCLE * 2, repetition_penalty=1.2)  # never drafts
+    r1 = add(scheduler, "r1", CYCLE * 2)
+    # r1 drafted 16 tokens and none was kept: the back-off pauses it for 64 tokens.
+    scheduler.speculator.propose(r1, 4)
+    scheduler.speculator.record("r1", 16, 0, len(r1.all_token_ids))
+    assert not scheduler.speculator.may_propose(r1)
     step(scheduler)
     assert scheduler.may_draft()
     out, _ = step(scheduler)
@@ -160,7 +164,7 @@ def test_may_draft_says_when_a_step_may_carry_drafts():
     out, _ = step(scheduler)
     assert out.scheduled_spec_decode_tokens == {}
     scheduler.finish_requests(["r0", "r2"], RequestStatus.FINISHED_ABORTED)
-    assert not scheduler.may_draft()  # r1 alone: penalised
+    assert not scheduler.may_draft()  # r1 alone: paused
     out, _ = step(scheduler)
     assert out.scheduled_spec_decode_tokens == {}
 
