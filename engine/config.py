@@ -155,13 +155,6 @@ class EngineConfig:
     # None: no speculative decoding (every step decodes one token per request).
     speculative_config: SpeculativeConfig | None = None
 
-    def __post_init__(self) -> None:
-        spec = self.speculative_config
-        if (spec is not None and spec.method == "draft_model"
-                and self.parallel_config.tensor_parallel_size > 1):
-            raise ValueError("speculative method draft_model does not run with "
-                             "tensor_parallel_size > 1 (the draft model is not sharded)")
-
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

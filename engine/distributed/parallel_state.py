@@ -12,6 +12,8 @@ Collectives go through `torch.distributed` only: gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,20 @@ _GROUP = TensorParallelGroup()
 
 def get_tp_group() -> TensorParallelGroup:
     return _GROUP
+
+
+@contextmanager
+def whole_model_on_each_rank() -> Iterator[None]:
+    """Build or run a model that every rank holds whole (the draft model of speculative
+    decoding): inside, this process is a group of one (no shards, no collectives);
+    its real group again after."""
+    global _GROUP
+    saved = _GROUP
+    _GROUP = TensorParallelGroup()
+    try:
+        yield
+    finally:
+        _GROUP = saved
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str,

@@ -34,6 +34,11 @@ are written again before any query reads them (a forward writes a position's K/V
 before it attends over it). Prefix-cache hits and resumed requests read blocks some
 earlier step computed, so their draft K/V is there too.
 
+Tensor parallelism: every rank holds the whole draft model (it is small) and its whole
+KV (its block ids are the target's, so the same blocks), runs it as a group of one
+(`whole_model_on_each_rank`: no shards, no collectives) and keeps rank 0's drafts
+(broadcast, as the sampled tokens are), so every rank feeds the target the same tokens.
+
 Worked example, block size 4, a request with 8 computed tokens and x at position 8,
 k = 3:
   drafting  feeds x at 8 -> d0; d0 at 9 -> d1; d1 at 10 -> d2 (draft K/V of 8, 9, 10)
@@ -57,6 +62,7 @@ from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.selector import select_attention_backend
 from engine.config import SpeculativeConfig
+from engine.distributed.parallel_state import get_tp_group, whole_model_on_each_rank
 from engine.kv_cache.manager import cdiv
 from engine.worker.input_batch import InputBatch
 
@@ -117,13 +123,16 @@ class DraftModel:
                 np.arange(len(active) + 1, dtype=np.int32), seq_lens,
                 batch.block_table[active_rows, :max_blocks], slot_mapping, self.device)
             input_ids = torch.from_numpy(tokens[active]).to(self.device)
-            with set_forward_context(metadata, self.backend):
+            with whole_model_on_each_rank(), set_forward_context(metadata, self.backend):
                 hidden_states = self.model(input_ids, torch.from_numpy(positions).to(self.device))
-            logits = self.model.compute_logits(hidden_states)[:, :self.vocab_limit]
+                logits = self.model.compute_logits(hidden_states)[:, :self.vocab_limit]
             self.num_forwards += 1
             chosen = logits.argmax(dim=-1).cpu().numpy()
             drafts[active, j] = chosen
             tokens[active] = chosen
+        group = get_tp_group()
+        if group.size > 1:  # the same bits on every rank are likely; rank 0's are certain
+            drafts = group.broadcast_from_first(torch.from_numpy(drafts)).numpy()
         return {req_id: drafts[i, :counts[i]].tolist() for i, req_id in enumerate(req_ids)}
 
     def shadow_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -164,7 +173,7 @@ class DraftModel:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> None:
-        with set_forward_context(metadata, self.backend):
+        with whole_model_on_each_rank(), set_forward_context(metadata, self.backend):
             self.model(input_ids, positions)
         self.num_forwards += 1
 
@@ -186,7 +195,8 @@ def load_draft_model(config: SpeculativeConfig, target_dir: str, target_vocab_si
         raise ValueError(f"speculative_config model {config.model}: {reason}") from None
     check_same_vocabulary(target_dir, draft_dir)
     draft_vocab_size = AutoConfig.from_pretrained(draft_dir).get_text_config().vocab_size
-    model = load_model(draft_dir, dtype, device, quantization)
+    with whole_model_on_each_rank():  # not sharded: each rank holds all of it
+        model = load_model(draft_dir, dtype, device, quantization)
     backend = select_attention_backend(attention_backend, device, block_size)
     logger.info("draft model %s: %d attention layers", draft_dir,
                 sum(isinstance(m, Attention) for m in model.modules()))

@@ -188,11 +188,52 @@ def test_draft_model_needs_a_model():
         SpeculativeConfig.from_dict({"method": "ngram", "model": "/somewhere"})
 
 
-def test_missing_draft_checkpoint_and_tensor_parallel(tmp_path, target):
+def test_missing_draft_checkpoint(tmp_path, target):
     with pytest.raises(ValueError, match="speculative_config model .*no such file"):
         LLM(target, dtype="float32", speculative_config=spec(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(target, dtype="float32", speculative_config=spec(target), tensor_parallel_size=2)
+
+
+def test_tensor_parallel_ranks_run_the_whole_draft(target, one_layer_draft, prompts,
+                                                   reference):
+    """TP=2: each rank holds the whole draft model (a group of one inside it) and keeps
+    rank 0's drafts. The target as its own draft is accepted wherever the sharded target
+    and the whole draft agree (all but near-ties); the one-layer draft rolls back."""
+    some = prompts[:4]
+    for draft in (target, one_layer_draft):
+        with LLM(target, speculative_config=spec(draft), tensor_parallel_size=2,
+                 **HARD) as llm:
+            counts = SpecCounts(llm)
+            outputs = llm.generate(some, GREEDY, use_tqdm=False)
+            assert_all_blocks_free(llm)
+        assert_equals_reference(outputs, some, reference)
+        if draft == target:
+            assert counts.accepted >= 0.9 * counts.draft_tokens > 0
+        else:
+            assert 0 < counts.draft_tokens - counts.accepted
+
+
+def test_each_rank_loads_the_whole_draft(target, one_layer_draft):
+    """As rank 0 of 2, the draft model is built whole (no shards: it then runs without
+    collectives) and the rank's group is its own again after."""
+    import torch
+
+    from engine.distributed.parallel_state import get_tp_group, set_tp_group_for_tests
+    from engine.model_loader import load_model
+    from engine.worker.draft_model import load_draft_model
+
+    config = SpeculativeConfig.from_dict(spec(one_layer_draft))
+    set_tp_group_for_tests(0, 2)
+    try:
+        draft = load_draft_model(config, str(target), 512, torch.float32, torch.device("cpu"),
+                                 "none", 16, "auto")
+        assert get_tp_group().size == 2
+        sharded = load_model(one_layer_draft, torch.float32, "cpu", "none")
+    finally:
+        set_tp_group_for_tests(0, 1)
+    whole = load_model(one_layer_draft, torch.float32, "cpu", "none")
+    shapes = {name: p.shape for name, p in whole.named_parameters()}
+    assert {name: p.shape for name, p in draft.model.named_parameters()} == shapes
+    assert {name: p.shape for name, p in sharded.named_parameters()} != shapes
 
 
 def test_target_with_only_sliding_window_layers_is_refused(tmp_path, target):
