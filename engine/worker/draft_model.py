@@ -132,7 +132,8 @@ class DraftModel:
             tokens[active] = chosen
         group = get_tp_group()
         if group.size > 1:  # the same bits on every rank are likely; rank 0's are certain
-            drafts = group.broadcast_from_first(torch.from_numpy(drafts)).numpy()
+            drafts = group.broadcast_from_first(
+                torch.from_numpy(drafts).to(self.device)).cpu().numpy()  # NCCL: on the GPU
         return {req_id: drafts[i, :counts[i]].tolist() for i, req_id in enumerate(req_ids)}
 
     def shadow_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -203,10 +203,11 @@ def test_cli_flag_as_vllm_spells_it():
     config = engine_config_from_args(args, "/m", "m").speculative_config
     assert (config.method, config.model, config.num_speculative_tokens) == (
         "draft_model", "/models/small", 4)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        engine_config_from_args(parser.parse_args(
-            ["--speculative-config", '{"method": "draft_model", "model": "/models/small"}',
-             "--tensor-parallel-size", "2"]), "/m", "m")
+    config = engine_config_from_args(parser.parse_args(
+        ["--speculative-config", '{"method": "draft_model", "model": "/models/small"}',
+         "--tensor-parallel-size", "2"]), "/m", "m")  # each rank runs the whole draft
+    assert (config.speculative_config.method, config.parallel_config.tensor_parallel_size) == (
+        "draft_model", 2)
     for bad in ('{"method": "ngram"', '[1]', '{"num_speculative_tokens": 99}',
                 '{"method": "draft_model"}'):
         with pytest.raises(SystemExit):
