@@ -22,7 +22,8 @@ One step, for a request with k drafts whose last known token x sits at position 
   target    computes positions p .. p + k (tokens x, d0 .. d(k-1)) and verifies
   shadow    (`shadow_forward`, after it) the draft model over every other token of the
             step: prefill chunks, plain decodes, and each drafting request's last row
-            (position p + k, token d(k-1), whose K/V drafting did not write)
+            (position p + k, token d(k-1), whose K/V drafting did not write); skipped
+            in a step where nobody drafts (below)
 
 Invariant: after every step, for every request, the draft cache's slot of each position
 q < num_computed_tokens holds the draft model's K/V of the request's token at q. The
@@ -33,6 +34,16 @@ with exactly those tokens; the rejected slots lie at or after num_computed_token
 are written again before any query reads them (a forward writes a position's K/V
 before it attends over it). Prefix-cache hits and resumed requests read blocks some
 earlier step computed, so their draft K/V is there too.
+
+Lazily: a step without drafts (prefill chunks, requests paused by the back-off, batches
+wider than `disable_by_batch_size`) runs no shadow pass, so a draft that is rarely used
+costs little. `kv_len[req]` is how many leading positions hold the request's draft K/V
+(read clamped to its computed tokens: slots past them hold rejected drafts); before a
+request drafts, `propose` catches it up over positions kv_len .. p - 1 (one forward,
+the request's known tokens, no logits). Once a shadow pass was skipped, a request seen
+for the first time is taken to have none (its prefix-cache blocks may have been
+computed in such a step): it catches up from position 0, writing into shared blocks the
+K/V of the same tokens at the same positions.
 
 Tensor parallelism: every rank holds the whole draft model (it is small) and its whole
 KV (its block ids are the target's, so the same blocks), runs it as a group of one
@@ -86,7 +97,24 @@ class DraftModel:
         self.block_size = block_size
         self.vocab_limit = vocab_limit  # drafts are token ids below it (both vocabularies)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.num_forwards = 0  # drafting iterations and shadow passes (tests count them)
+        # Leading positions of each request whose draft K/V is written (module docstring).
+        self.kv_len: dict[str, int] = {}
+        self.skipped_a_shadow = False  # then a request seen first has no draft K/V
+        # What tests count: drafting iterations, shadow passes and catch-ups run, shadow
+        # passes skipped, positions caught up.
+        self.num_forwards = 0
+        self.num_skipped_shadows = 0
+        self.num_caught_up_tokens = 0
+
+    def forget(self, req_id: str) -> None:
+        """A finished or preempted request (a resumed one may hold other blocks)."""
+        self.kv_len.pop(req_id, None)
+
+    def _valid_len(self, req_id: str, num_computed: int) -> int:
+        known = self.kv_len.get(req_id)
+        if known is None:
+            known = 0 if self.skipped_a_shadow else num_computed
+        return min(known, num_computed)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         assert len(kv_caches) == len(self.attention_layers)
@@ -108,6 +136,11 @@ class DraftModel:
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
         counts = np.fromiter(num_drafts.values(), np.int64, len(req_ids))
         start = batch.num_computed_tokens[rows]
+        valid = np.fromiter((self._valid_len(r, int(p)) for r, p in zip(req_ids, start, strict=True)),
+                            np.int64, len(req_ids))
+        behind = np.flatnonzero(valid < start)
+        if behind.size:
+            self._catch_up(batch, rows[behind], valid[behind], start[behind])
         tokens = batch.token_ids[rows, start]  # each request's token of this iteration
         drafts = np.zeros((len(req_ids), int(counts.max())), dtype=np.int64)
         block_size = self.block_size
@@ -130,45 +163,85 @@ class DraftModel:
             chosen = logits.argmax(dim=-1).cpu().numpy()
             drafts[active, j] = chosen
             tokens[active] = chosen
+        for req_id, p, k in zip(req_ids, start.tolist(), counts.tolist(), strict=True):
+            self.kv_len[req_id] = p + k  # drafting wrote p .. p + k - 1
         group = get_tp_group()
         if group.size > 1:  # the same bits on every rank are likely; rank 0's are certain
             drafts = group.broadcast_from_first(
                 torch.from_numpy(drafts).to(self.device)).cpu().numpy()  # NCCL: on the GPU
         return {req_id: drafts[i, :counts[i]].tolist() for i, req_id in enumerate(req_ids)}
 
-    def shadow_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       metadata: AttentionMetadata, num_drafted: np.ndarray) -> None:
-        """The draft model over the target's step (`metadata`, in its token order) less
-        the first `num_drafted[r]` tokens of request r (the positions drafting wrote);
-        only the K/V it writes matters.
+    def _catch_up(self, batch: InputBatch, rows: np.ndarray, lo: np.ndarray,
+                  hi: np.ndarray) -> None:
+        """Draft K/V of positions lo[i] .. hi[i] - 1 of the request in batch row rows[i]
+        (its known tokens), in one forward.
 
-        Worked example: query lengths [3, 1, 5] (a prefill chunk, a plain decode, a
-        request with 4 drafts: x d0 d1 d2 d3), num_drafted [0, 0, 4]:
+        Worked example, block size 4: rows [2, 5], lo [0, 6], hi [3, 8]:
+          positions [0 1 2 | 6 7], query_start_loc [0, 3, 5], seq_lens [3, 8]
+          slot of row 5's position 6 = block_table[5, 1] * 4 + 2
+        """
+        lengths = hi - lo
+        positions = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)])
+        token_rows = np.repeat(rows, lengths)
+        block_size = self.block_size
+        slot_mapping = (batch.block_table[token_rows, positions // block_size].astype(np.int64)
+                        * block_size + positions % block_size)
+        metadata = AttentionMetadata.from_host(
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), hi.astype(np.int32),
+            batch.block_table[rows, :cdiv(int(hi.max()), block_size)], slot_mapping,
+            self.device)
+        input_ids = torch.from_numpy(batch.token_ids[token_rows, positions]).to(self.device)
+        self._forward(input_ids, torch.from_numpy(positions).to(self.device), metadata)
+        self.num_caught_up_tokens += int(lengths.sum())
+
+    def shadow_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata: AttentionMetadata, req_ids: list[str],
+                       num_drafted: np.ndarray) -> None:
+        """After the target's step (`metadata`, in its token order, requests `req_ids`):
+        the draft model over each request's tokens but the first `num_drafted[r]` (the
+        positions drafting wrote); only the K/V it writes matters. Nothing when no request
+        drafted; a request whose draft K/V is behind (kv_len below its computed tokens)
+        is left out: it catches up when it next drafts.
+
+        Worked example: query lengths [3, 1, 5, 2] (a prefill chunk, a plain decode, a
+        request with 4 drafts: x d0 d1 d2 d3, a request that is behind), num_drafted
+        [0, 0, 4, 0]:
           kept tokens     = [0 1 2 | 3 | 8]       (request 2 keeps only d3's row)
-          query_start_loc = [0, 3, 4, 5]; seq_lens as the target's
+          query_start_loc = [0, 3, 4, 5]; seq_lens and block table rows of requests 0-2
         """
         if not num_drafted.any():
-            self._forward(input_ids, positions, metadata)
+            self.skipped_a_shadow = True
+            self.num_skipped_shadows += 1
             return
         qsl = metadata.query_start_loc_np
         query_lens = np.diff(qsl)
+        computed = metadata.seq_lens_np - query_lens  # each request's tokens before the step
+        current = np.fromiter(
+            (self._valid_len(r, int(c)) == c for r, c in zip(req_ids, computed, strict=True)),
+            bool, len(req_ids))
+        for i in np.flatnonzero(current).tolist():
+            self.kv_len[req_ids[i]] = int(metadata.seq_lens_np[i])
+        skip = np.where(current, num_drafted, query_lens)
+        kept_lens = query_lens - skip
+        included = np.flatnonzero(kept_lens > 0)
+        if not included.size:
+            return
         req_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
-        keep = np.flatnonzero(np.arange(int(qsl[-1])) - qsl[req_of_token]
-                              >= num_drafted[req_of_token])
-        kept_lens = query_lens - num_drafted
-        query_start_loc = np.concatenate([[0], np.cumsum(kept_lens)]).astype(np.int32)
+        keep = np.flatnonzero(np.arange(int(qsl[-1])) - qsl[req_of_token] >= skip[req_of_token])
+        query_start_loc = np.concatenate([[0], np.cumsum(kept_lens[included])]).astype(np.int32)
         keep_index = torch.from_numpy(keep).to(self.device)
+        rows = torch.from_numpy(included).to(self.device)
+        seq_lens_np = metadata.seq_lens_np[included]  # a new array: backends key plans by it
         shadow = AttentionMetadata(
             num_actual_tokens=len(keep),
             max_query_len=int(kept_lens.max()),
-            max_seq_len=metadata.max_seq_len,
+            max_seq_len=int(seq_lens_np.max()),
             query_start_loc=torch.from_numpy(query_start_loc).to(self.device),
-            seq_lens=metadata.seq_lens,
-            block_table=metadata.block_table,
+            seq_lens=metadata.seq_lens[rows],
+            block_table=metadata.block_table[rows],
             slot_mapping=metadata.slot_mapping[keep_index],
             query_start_loc_np=query_start_loc,
-            # A copy: backends key their per-step plan by this array's identity.
-            seq_lens_np=metadata.seq_lens_np.copy(),
+            seq_lens_np=seq_lens_np,
         )
         self._forward(input_ids[keep_index], positions[keep_index], shadow)
 

@@ -211,7 +211,7 @@ class ModelRunner:
                 if drafts:
                     num_drafted[index] = len(drafts)
         self.draft_model.shadow_forward(inputs.input_ids, inputs.positions,
-                                        inputs.attn_metadata, num_drafted)
+                                        inputs.attn_metadata, inputs.req_ids, num_drafted)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diff: finished, preempted, new, resumed, new blocks."""
@@ -222,7 +222,11 @@ class ModelRunner:
             self._prompt_logprobs_req_ids.discard(req_id)
             self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
+            if self.draft_model is not None:
+                self.draft_model.forget(req_id)
         for req_id in scheduler_output.preempted_req_ids:
+            if self.draft_model is not None:
+                self.draft_model.forget(req_id)
             generator = self._remove_row(req_id)  # keep its state: it will resume
             if generator is not None:
                 self._preempted_generators[req_id] = generator

@@ -85,6 +85,26 @@ def test_target_as_its_own_draft_accepts_every_draft(target, prompts, reference)
     assert counts.draft_tokens > 0
     assert counts.accepted == counts.draft_tokens  # the draft's KV saw every token
     assert draft_model.num_forwards > 0
+    # Steps without drafts (prefill chunks, more than disable_by_batch_size running) ran
+    # no shadow pass; requests caught up before drafting, prefix hits from position 0.
+    assert draft_model.num_skipped_shadows > 0 and draft_model.num_caught_up_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_paused_drafting_skips_the_shadow_pass(target, one_layer_draft, prompts, reference):
+    """While the back-off pauses every request, steps run no draft forward at all; a
+    request that drafts again first catches its draft K/V up."""
+    config = {**spec(one_layer_draft), "min_acceptance_rate": 0.95,
+              "backoff_min_draft_tokens": 4, "backoff_tokens": 12}
+    llm = LLM(target, speculative_config=config, dtype="float32", max_model_len=512)
+    draft_model = llm.engine_core.executor.runner.draft_model
+    counts = SpecCounts(llm)
+    some = prompts[:2]
+    outputs = llm.generate(some, GREEDY, use_tqdm=False)
+    assert_equals_reference(outputs, some, reference)
+    assert counts.draft_tokens > counts.accepted
+    skipped, caught_up = draft_model.num_skipped_shadows, draft_model.num_caught_up_tokens
+    assert skipped >= 10 and caught_up >= 10  # paused stretches of 12 tokens, then back
     assert_all_blocks_free(llm)
 
 
