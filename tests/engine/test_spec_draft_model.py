@@ -124,8 +124,8 @@ def test_one_layer_draft_rejections_roll_back(target, one_layer_draft, prompts, 
 def test_async_scheduling_never_overlaps_a_drafting_step(target, one_layer_draft, prompts,
                                                           reference):
     """The core's rule for proposers (a step that may draft runs with nothing in
-    flight) holds for the draft model too; the shadow passes keep its KV whole while
-    steps overlap."""
+    flight) holds for the draft model too; overlapping steps carry no drafts (no shadow
+    pass) and the catch-up keeps its KV whole."""
     llm = LLM(target, speculative_config={**spec(target), "disable_by_batch_size": 2},
               async_scheduling=True, **HARD)
     counts = SpecCounts(llm)
