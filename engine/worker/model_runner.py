@@ -25,7 +25,7 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.forward_context import set_forward_context
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
-from engine.distributed.parallel_state import get_tp_group
+from engine.distributed.parallel_state import get_tp_group, whole_model_on_each_rank
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
@@ -164,9 +164,9 @@ class ModelRunner:
         self.model.compute_logits(hidden[-len(lengths):])
         if self.draft_model is not None:
             draft = self.draft_model
-            with set_forward_context(metadata, draft.backend):
+            with whole_model_on_each_rank(), set_forward_context(metadata, draft.backend):
                 hidden = draft.model(input_ids, positions)
-            draft.model.compute_logits(hidden[-len(lengths):])
+                draft.model.compute_logits(hidden[-len(lengths):])
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
