@@ -331,11 +331,17 @@ def speculating_server():
     {"response_format": PERSON_FORMAT},
     {"guided_regex": r'\{"name": "[A-Za-z]{1,8}", "age": [0-9]{1,3}\}'},
     {"tools": [WEATHER, CLOCK], "tool_choice": "required"},
-], ids=["json-schema", "regex", "tools-required"])
+    # Not a grammar, but the other per-position rules over HTTP (each guessed position
+    # counts the guesses before it as output; that counting itself is checked where it can
+    # fail: tests/unit/sample/test_verify_rows.py, tests/engine/test_spec_decode.py). Mild
+    # values: a strong repetition penalty stops the model copying, and then nothing is
+    # accepted.
+    {"frequency_penalty": 0.2, "repetition_penalty": 1.05, "min_tokens": 20},
+], ids=["json-schema", "regex", "tools-required", "penalties-min-tokens"])
 def test_speculation_keeps_constrained_outputs(http, speculating_server, extra):
-    """Over HTTP, a constrained greedy request gives the same answer, streamed or not,
-    with n-gram speculation as without; the speculating server did guess (its drafts
-    are checked against the grammar before they are verified)."""
+    """Over HTTP, a constrained (or penalised) greedy request gives the same answer,
+    streamed or not, with n-gram speculation as without; the speculating server did guess
+    (its drafts are checked against the grammar before they are verified)."""
     with httpx.Client(base_url=speculating_server.url, timeout=120) as spec_http:
         accepted_before = _metric(spec_http, "pagedserve:spec_decode_num_accepted_tokens_total")
         body = {"messages": COPY_PERSON, "max_tokens": 60, **extra}
