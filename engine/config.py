@@ -97,7 +97,8 @@ class SpeculativeConfig:
     Back-off: no proposals while more than `disable_by_batch_size` requests run (a wide
     step is compute-bound: verifying costs more than it saves), and a request whose
     acceptance rate falls below `min_acceptance_rate` (after `backoff_min_draft_tokens`
-    proposed tokens) stops proposing for `backoff_tokens` generated tokens.
+    proposed tokens) stops proposing for `backoff_tokens` generated tokens, twice as long
+    for each such window in a row (up to 16x).
     """
 
     method: str = "ngram"

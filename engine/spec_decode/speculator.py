@@ -46,7 +46,8 @@ class _RequestSpec:
     """One request's token copy (numpy, for the lookups) and acceptance counts."""
 
     __slots__ = ("tokens", "num_tokens", "eligible", "num_draft_tokens", "num_accepted_tokens",
-                 "window_draft_tokens", "window_accepted_tokens", "paused_until", "draft_len")
+                 "window_draft_tokens", "window_accepted_tokens", "paused_until", "num_pauses",
+                 "draft_len")
 
     def __init__(self, eligible: bool, draft_len: int):
         self.tokens = np.zeros(256, dtype=np.int64)
@@ -57,6 +58,7 @@ class _RequestSpec:
         self.window_draft_tokens = 0  # since the last back-off decision
         self.window_accepted_tokens = 0
         self.paused_until = 0  # no drafts while the request has fewer tokens than this
+        self.num_pauses = 0  # back-to-back windows below the acceptance rate
         self.draft_len = draft_len  # the longest draft its next step may carry
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
@@ -71,6 +73,10 @@ class _RequestSpec:
             self.tokens[start:num_tokens] = token_ids[start:]
             self.num_tokens = num_tokens
         return self.tokens[:num_tokens]
+
+
+# A request whose drafts keep failing pauses for backoff_tokens x 2^n, n at most this.
+MAX_BACKOFF_DOUBLINGS = 4
 
 
 def may_speculate(params: Any, placeholders_only: bool = False) -> bool:
@@ -162,7 +168,13 @@ class Speculator:
         if state.window_draft_tokens >= config.backoff_min_draft_tokens:
             rate = state.window_accepted_tokens / state.window_draft_tokens
             if rate < config.min_acceptance_rate:
-                state.paused_until = num_tokens + config.backoff_tokens
+                # Each window in a row that fails again doubles the pause (up to 16x):
+                # backoff_tokens 64 -> pauses of 64, 128, 256, ... 1024 tokens.
+                state.paused_until = num_tokens + config.backoff_tokens * (
+                    1 << min(state.num_pauses, MAX_BACKOFF_DOUBLINGS))
+                state.num_pauses += 1
+            else:
+                state.num_pauses = 0
             state.window_draft_tokens = state.window_accepted_tokens = 0
 
     def finish(self, request: Request) -> None:

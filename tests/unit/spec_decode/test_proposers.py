@@ -105,6 +105,23 @@ def test_speculator_backs_off_after_low_acceptance_then_retries():
     assert speculator.take_stats().num_drafts == 0
 
 
+def test_back_off_doubles_while_drafts_keep_failing_and_resets_after_a_good_window():
+    speculator = Speculator(SpeculativeConfig(
+        num_speculative_tokens=8, backoff_min_draft_tokens=8, backoff_tokens=10,
+        min_acceptance_rate=0.5, adaptive_draft_length=False))
+    request = _Request("a", [1, 2, 3, 1, 2, 3, 1, 2])
+    speculator.propose(request, 8)
+    pauses = []
+    num_tokens = 100
+    for accepted in (0, 0, 0, 8, 0, 0, 0, 0, 0, 0):  # one window of 8 draft tokens each
+        speculator.record("a", 8, accepted, num_tokens)
+        state = speculator._states["a"]
+        pauses.append(state.paused_until - num_tokens if state.paused_until > num_tokens else 0)
+        num_tokens = max(num_tokens, state.paused_until)
+    # 10, 20, 40 tokens; a good window resets; then 10, 20, 40, 80, 160 and no further.
+    assert pauses == [10, 20, 40, 0, 10, 20, 40, 80, 160, 160]
+
+
 def test_adaptive_draft_length_follows_acceptance():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=8))
     request = _Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2])
