@@ -222,11 +222,7 @@ class ModelRunner:
             self._prompt_logprobs_req_ids.discard(req_id)
             self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
-            if self.draft_model is not None:
-                self.draft_model.forget(req_id)
         for req_id in scheduler_output.preempted_req_ids:
-            if self.draft_model is not None:
-                self.draft_model.forget(req_id)
             generator = self._remove_row(req_id)  # keep its state: it will resume
             if generator is not None:
                 self._preempted_generators[req_id] = generator
@@ -299,7 +295,10 @@ class ModelRunner:
         )
 
     def _remove_row(self, req_id: str) -> torch.Generator | None:
-        """Free the request's row; returns its seeded generator (None if unseeded)."""
+        """Free the request's row (and what the draft model knows of its KV); returns its
+        seeded generator (None if unseeded)."""
+        if self.draft_model is not None:
+            self.draft_model.forget(req_id)
         row = self.input_batch.remove_request(req_id)
         if row is not None:
             return self.sampling_state.remove_request(row)
