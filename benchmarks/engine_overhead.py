@@ -347,7 +347,7 @@ async def _run_frontend(recorded: list[bytes], num_streams: int, tokenizer,
     from engine.frontend.async_engine import AsyncEngine
     from engine.frontend.core_client import AsyncEngineCoreClient
     from engine.ipc import frontend_codec
-    from server.serving_completions import CompletionChunkWriter
+    from server.apis.openai.completions import CompletionChunkWriter
 
     codec = frontend_codec()
     start_playback = asyncio.Event()

@@ -13,7 +13,7 @@ Ping/Pong is the liveness probe: Ping travels the same way requests do (socket, 
 thread, input queue) and the core's busy loop answers it between two steps, so a Pong
 proves that the loop itself is making progress, not just that the process exists.
 
-One core, N frontends (`serve --api-server-count N`, server/launcher.py): the same
+One core, N frontends (`serve --api-server-count N`, server/http/launcher.py): the same
 messages travel over other sockets, described by `SharedCoreAddresses`:
 
     frontend k  DEALER (routing id frontend_identity(k)) ─┐

@@ -2,7 +2,7 @@
 
 The engine core builds an `XraySnapshot` (engine/core/xray.py) when the frontend sends an
 `XrayCall` with `XrayLimits` over the IPC; the frontend caches it and fills the few fields
-the core never knows (server/xray.py). Bump SCHEMA_VERSION when a field changes meaning or
+the core never knows (server/http/xray.py). Bump SCHEMA_VERSION when a field changes meaning or
 goes away.
 """
 
@@ -61,7 +61,7 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     # Several KV groups (sliding-window models): blocks held in each group, nulls of a
     # sliding window not counted; absent for one group.
     num_blocks_by_group: list[int] | None = None
-    # The API that sent it ("openai_chat", "anthropic_messages", ...: server/api_label.py),
+    # The API that sent it ("openai_chat", "anthropic_messages", ...: server/common/api_label.py),
     # filled by the frontend from the request id; absent for ids no API route made.
     api: str | None = None
     # Only with --xray-show-text (filled by the frontend, never by the core; absent otherwise).
@@ -148,7 +148,7 @@ class XraySnapshot(msgspec.Struct):
     blocks: XrayBlockMap
     prefix_tree: XrayPrefixTree
     steps: XraySteps
-    # Filled by the frontend (server/xray.py), not by the core.
+    # Filled by the frontend (server/http/xray.py), not by the core.
     model: str = ""
     show_text: bool = False
     min_interval_s: float = 0.0

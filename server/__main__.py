@@ -2,7 +2,7 @@
 
 import sys
 
-from server.cli import main
+from server.http.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ routing every message:
                                               replies (Pong, ...) to the asker
     frontend k ◀── PUSH output-k.sock ◀── ToFrontend(k, msg) ◀── output_queue
 
-Its parent is the launcher (server/launcher.py), which alone sends Shutdown. The
+Its parent is the launcher (server/http/launcher.py), which alone sends Shutdown. The
 frontends' side is engine/frontend/shared_core_client.py; the sockets' addresses and
 identities are in engine/ipc.py.
 """

@@ -3,7 +3,7 @@
     SharedCoreProcess      the launcher's handle: spawns the shared core, stops it
     AsyncSharedCoreClient  frontend k's client: its own requests' outputs, its own replies
 
-The core's side is engine/core/shared_core.py; the launcher is server/launcher.py.
+The core's side is engine/core/shared_core.py; the launcher is server/http/launcher.py.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None)
             convert_gguf(gguf_path, tmp)
         else:
             # transformers' GGUF tokenizer reader imports torch: convert in a child so a
-            # process without torch (the HTTP frontend, server/torch_free.py) stays so.
+            # process without torch (the HTTP frontend, server/http/torch_free.py) stays so.
             spawn = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(1, mp_context=spawn) as pool:
                 pool.submit(convert_gguf, gguf_path, tmp).result()

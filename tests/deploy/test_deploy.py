@@ -18,7 +18,7 @@
   (tests/data/schemas/*.json); kustomization.yaml structurally (lists every manifest, files
   exist); cross-references (selectors, port names, Secret, PVC, HPA target, adapter metric).
 * Consistency with the server: every `--flag` and PAGEDSERVE_* variable used anywhere above is
-  one `server.cli.make_arg_parser()` accepts, with a value its type/choices accept; every probe,
+  one `server.http.cli.make_arg_parser()` accepts, with a value its type/choices accept; every probe,
   health-check and scrape path is a route of the FastAPI app; every port is the server's port.
 """
 
@@ -149,10 +149,10 @@ def exec_form(args: str) -> list[str]:
 
 def serve_parser() -> argparse.ArgumentParser:
     try:
-        from server.cli import make_arg_parser
+        from server.http.cli import make_arg_parser
     except ImportError as exc:
         pytest.fail(
-            "server.cli.make_arg_parser() is needed to check the flags and PAGEDSERVE_* "
+            "server.http.cli.make_arg_parser() is needed to check the flags and PAGEDSERVE_* "
             f"variables used by the deployment files, and cannot be imported: {exc}"
         )
     parser = make_arg_parser()
@@ -182,7 +182,7 @@ def server_default(parser: argparse.ArgumentParser, flag: str):
     return getattr(parser.parse_args([]), action.dest)
 
 
-ROUTE_MODULES = ("server.app", "server.api_server", "server.main", "server.api")
+ROUTE_MODULES = ("server.http.app", "server.http.api_server", "server.main", "server.api")
 
 
 def _routes_of(obj) -> dict[str, set[str]] | None:
@@ -243,7 +243,7 @@ _ROUTES: list[tuple[dict[str, set[str]], str]] = []
 def server_routes() -> tuple[dict[str, set[str]], str]:
     """The FastAPI app's routes (path -> methods) and where they came from.
 
-    In order: a FastAPI/APIRouter object at module level of server.app (or a sibling module), or
+    In order: a FastAPI/APIRouter object at module level of server.http.app (or a sibling module), or
     built by its create_app/build_app factory (given the parsed default CLI args for a parameter
     named `args`, mocks for any other required parameter); else the route decorators found in server/*.py; else, while the server does not
     exist yet, the route table documented in docs/deploy.md (with a warning).
@@ -297,7 +297,7 @@ def server_routes() -> tuple[dict[str, set[str]], str]:
         source = "route decorators in server/*.py"
     if not found:
         found = _routes_from_docs()
-        source = "the route table in docs/deploy.md (server.app does not exist yet)"
+        source = "the route table in docs/deploy.md (server.http.app does not exist yet)"
         warnings.warn(
             f"checking paths against {source}; errors: {errors}", UserWarning, stacklevel=2
         )

@@ -20,7 +20,7 @@ import yaml
 
 from engine.config import ParallelConfig
 from engine.executor.multiproc_executor import control_port, node_ranks
-from server.cli import make_arg_parser
+from server.http.cli import make_arg_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_DIR = ROOT / "deploy" / "kubernetes" / "tensor-parallel"

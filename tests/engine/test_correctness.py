@@ -117,7 +117,7 @@ def test_half_precision_kv_cache_matches(arch_case, kv_cache_dtype):
 
 def test_kv_cache_dtype_choices():
     from engine.worker.kv_cache_init import resolve_kv_cache_dtype
-    from server.cli import engine_config_from_args, make_arg_parser
+    from server.http.cli import engine_config_from_args, make_arg_parser
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32

@@ -167,7 +167,7 @@ def test_grammar_waits_for_the_end_of_reasoning(scheduler, tokenizer):
 
 
 def test_grammar_after_reasoning_only_when_the_prompt_has_not_closed_thinking():
-    from server.reasoning import grammar_after_reasoning
+    from server.chat.reasoning import grammar_after_reasoning
 
     class Tokenizer:
         unk_token_id = None

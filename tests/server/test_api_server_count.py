@@ -146,9 +146,9 @@ def test_frontend_identities_round_trip():
 
 
 def test_flag_validation(tmp_path):
-    from server.api_server import ServeOptions
-    from server.cli import main
-    from server.launcher import run_launcher
+    from server.http.api_server import ServeOptions
+    from server.http.cli import main
+    from server.http.launcher import run_launcher
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--api-server-count", "0"])
@@ -183,8 +183,8 @@ def _alive(pid: int) -> bool:
 def _reference_server(flags: list[str]) -> ServerThread:
     """One API server with the same flags, in this process, its engine core in a thread
     (the engine of `serve` without a process start: this machine has 2 busy cores)."""
-    from server.api_server import APIServer, ServeOptions
-    from server.cli import _build_cli_parser, engine_config_from_args
+    from server.http.api_server import APIServer, ServeOptions
+    from server.http.cli import _build_cli_parser, engine_config_from_args
 
     args = _build_cli_parser().parse_args(["serve", *flags])
     config = engine_config_from_args(args, args.model, "tiny")

@@ -1,4 +1,4 @@
-"""Prometheus metrics (server/metrics.py): names, semantics, and agreement with the clients.
+"""Prometheus metrics (server/common/metrics.py): names, semantics, and agreement with the clients.
 
 Unit tests drive `ServerMetrics` and the scheduler's step stats directly. The server tests
 run the CLI (`python -m server serve`, tiny random Llama, 127.0.0.1) and check that what
@@ -23,8 +23,8 @@ from engine.frontend.core_client import EngineDeadError
 from engine.outputs import KVCacheInfo, SchedulerStats
 from engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from server import metrics as metrics_module
-from server.errors import APIError
-from server.metrics import ServerMetrics
+from server.common.errors import APIError
+from server.common.metrics import ServerMetrics
 from tests.support import deploy_exprs as dx
 from tests.support.metrics import (
     BLOCK_SIZE,

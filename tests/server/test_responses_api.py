@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server.response_store import ResponseStore
+from server.apis.responses.store import ResponseStore
 from tests.support.server_fixtures import FAIL_TEXT
 
 MODEL = "fake-echo"

@@ -201,7 +201,7 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
 def test_api_server_process_loads_no_torch(server):
-    """The HTTP frontend runs no model (server/torch_free.py): libtorch is mapped in the
+    """The HTTP frontend runs no model (server/http/torch_free.py): libtorch is mapped in the
     engine core's process only."""
     frontend = server.process.pid
     assert "libtorch" not in _process_maps(frontend)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.xray import XrayOptions
+from server.common.state import XrayOptions
 from tests.support.server_fixtures import build_tokenizer_dir
 from tests.support.xray_server import DEADLINE_S, Load, start_server, wait_for
 

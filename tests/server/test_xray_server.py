@@ -1,4 +1,4 @@
-"""GET /xray and /xray/state (server/xray.py): the shared snapshot cache, auth, privacy,
+"""GET /xray and /xray/state (server/http/xray.py): the shared snapshot cache, auth, privacy,
 --no-xray, --xray-show-text; over a stub engine, and over a real server (HTTP, AsyncEngine,
 engine-core process over the typed IPC) with the echo FakeExecutor under load."""
 
@@ -18,11 +18,11 @@ from engine.core.core import EngineCore
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 from engine.xray_schema import XrayLimits, XraySnapshot
-from server.app import build_app
-from server.cli import make_arg_parser
-from server.metrics import ServerMetrics
-from server.state import ServerState
-from server.xray import PAGE_RESOURCE, SnapshotCache, XrayOptions, authorized, load_page
+from server.common.metrics import ServerMetrics
+from server.common.state import ServerState, XrayOptions
+from server.http.app import build_app
+from server.http.cli import make_arg_parser
+from server.http.xray import PAGE_RESOURCE, SnapshotCache, authorized, load_page
 from tests.support.server_fixtures import (
     FakeExecutor,
     build_tokenizer_dir,

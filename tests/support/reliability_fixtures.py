@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from server.lifecycle import ServerLimits
+from server.common.lifecycle import ServerLimits
 from tests.support.server_fixtures import (
     REPO,
     LoggedServerProcess,
@@ -153,7 +153,7 @@ def sse_data(text: str) -> list[str]:
 def _serve_main(tokenizer_dir: str, options_json: str) -> int:
     import asyncio
 
-    from server.cli import configure_logging
+    from server.http.cli import configure_logging
 
     options = json.loads(options_json)
     configure_logging("info")

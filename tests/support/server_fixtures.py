@@ -31,10 +31,10 @@ from engine.config import EngineConfig
 from engine.outputs import KVCacheInfo, Logprobs, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
-from server.lifecycle import ServerLimits
+from server.common.lifecycle import ServerLimits
 
 if TYPE_CHECKING:
-    from server.api_server import APIServer
+    from server.http.api_server import APIServer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 REPO = Path(__file__).resolve().parents[2]
@@ -253,7 +253,7 @@ def build_fake_server(
 
     from engine.config import ModelConfig, SchedulerConfig
     from engine.executor.abstract import ExecutorSpec
-    from server.api_server import APIServer, ServeOptions
+    from server.http.api_server import APIServer, ServeOptions
 
     vocab_size = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     kwargs = {"vocab_size": vocab_size, **(executor_kwargs or {})}

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from server.xray import XrayOptions
+from server.common.state import XrayOptions
 from tests.support.server_fixtures import (
     ServerThread,
     build_fake_server,

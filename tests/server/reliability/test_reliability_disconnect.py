@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from server.lifecycle import ServerLimits
+from server.common.lifecycle import ServerLimits
 from tests.support.reliability_fixtures import metric, start_server
 from tests.support.server_fixtures import build_tokenizer_dir
 

@@ -26,7 +26,7 @@ from schemathesis.checks import (
 )
 from schemathesis.generation import GenerationMode
 
-from server.lifecycle import ServerLimits
+from server.common.lifecycle import ServerLimits
 from tests.support.reliability_fixtures import start_server
 from tests.support.server_fixtures import build_tokenizer_dir
 

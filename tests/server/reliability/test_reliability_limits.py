@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from server.lifecycle import ServerLimits
+from server.common.lifecycle import ServerLimits
 from tests.support.reliability_fixtures import metric, sse_data, start_server
 from tests.support.server_fixtures import build_tokenizer_dir
 
@@ -111,7 +111,7 @@ def test_overload_gets_503_and_the_admitted_complete(server, http):
         else:
             assert json.loads(text)["choices"][0]["finish_reason"] == "length"
     after = metric(http.get("/metrics").text, "request_failure_total", reason="overload")
-    if after is not None:  # the metric exists once server/metrics.py counts failures
+    if after is not None:  # the metric exists once server/common/metrics.py counts failures
         assert after - (before or 0) == len(refused)
     assert server.server.state.lifecycle.num_queued_sequences == 0
     assert_serving(http)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from server.api_label import GENERATION_APIS, REQUEST_ID_PREFIXES, api_of_request_id
-from server.errors import APIError
-from server.protocol_anthropic import MessagesRequest
-from server.protocol_ollama import OllamaChatRequest
-from server.protocol_responses import ResponsesRequest
-from server.serving_anthropic import _chat_fields as anthropic_fields
-from server.serving_anthropic import _stop
-from server.serving_common import new_request_id
-from server.serving_ollama import _chat_messages
-from server.serving_responses import _input_messages
+from server.apis.anthropic.protocol import MessagesRequest
+from server.apis.anthropic.translator import _chat_fields as anthropic_fields
+from server.apis.anthropic.translator import _stop
+from server.apis.ollama.protocol import OllamaChatRequest
+from server.apis.ollama.translator import _chat_messages
+from server.apis.responses.protocol import ResponsesRequest
+from server.apis.responses.translator import _input_messages
+from server.chat.sampling import new_request_id
+from server.common.api_label import GENERATION_APIS, REQUEST_ID_PREFIXES, api_of_request_id
+from server.common.errors import APIError
 
 TOOL = {"name": "f", "input_schema": {"type": "object"}}
 
@@ -35,7 +35,7 @@ def test_anthropic_tool_choices():
     assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     assert named["parallel_tool_calls"] is False
     assert named["tools"] == [{"type": "function", "function": {
-        "name": "f", "description": None, "parameters": {"type": "object"}}}]
+        "name": "f", "parameters": {"type": "object"}}}]  # no description: left out
     with pytest.raises(APIError) as info:
         anthropic(tools=[{**TOOL, "type": "web_search_20250305"}])
     assert info.value.param == "tools[0].type"

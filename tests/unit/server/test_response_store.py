@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.response_store import ResponseStore
+from server.apis.responses.store import ResponseStore
 
 
 class Clock:

@@ -17,8 +17,14 @@ from engine.frontend.async_engine import EngineRequestError
 from engine.frontend.core_client import EngineDeadError
 from engine.frontend.processor import PromptError
 from engine.sampling_params import SamplingParamsError
-from server.cli import _build_cli_parser, engine_config_from_args, env_name, main, make_arg_parser
-from server.errors import from_exception, install_error_handlers
+from server.common.errors import from_exception, install_error_handlers
+from server.http.cli import (
+    _build_cli_parser,
+    engine_config_from_args,
+    env_name,
+    main,
+    make_arg_parser,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -191,7 +197,7 @@ def test_sse_events_survive_clients_that_split_on_unicode_line_breaks(char):
     leaves raw: a token holding one cut a streamed event in two (seen in a test run)."""
     import json
 
-    from server.serving_common import sse
+    from server.common.streaming import sse
 
     payload = {"delta": {"content": f"a{char}b é"}}
     event = sse(json.dumps(payload, ensure_ascii=False))
@@ -211,8 +217,8 @@ def test_completion_text_chunk_equals_the_pydantic_chunk():
     """The template behind nearly every streamed completion chunk writes exactly what
     CompletionStreamResponse writes, for every kind of character (controls, quotes,
     backslashes, non-ASCII, line separators, emoji) and odd ids/model names."""
-    from server.protocol import CompletionStreamChoice
-    from server.serving_completions import CompletionChunkWriter
+    from server.apis.openai.completions import CompletionChunkWriter
+    from server.common.protocol import CompletionStreamChoice
 
     for request_id, model in [("cmpl-1", "m"), ('cmpl-"x"', "org/模型\\v1")]:
         writer = CompletionChunkWriter(request_id, 1_700_000_000, model)
@@ -224,8 +230,8 @@ def test_completion_text_chunk_equals_the_pydantic_chunk():
 
 def test_chat_content_chunk_equals_the_pydantic_chunk():
     """The chat template writes exactly what ChatCompletionStreamResponse writes."""
-    from server.protocol import ChatCompletionStreamChoice, DeltaMessage
-    from server.serving_chat import ChatChunkWriter
+    from server.apis.openai.chat import ChatChunkWriter
+    from server.common.protocol import ChatCompletionStreamChoice, DeltaMessage
 
     for request_id, model in [("chatcmpl-1", "m"), ('chatcmpl-"x"', "org/模型\\v1")]:
         writer = ChatChunkWriter(request_id, 1_700_000_000, model)

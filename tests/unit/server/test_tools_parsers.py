@@ -10,12 +10,10 @@ import json
 
 import pytest
 
-from server.chat_output import ChoiceParser, ParsedDelta
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.pythonic_calls import parse_pythonic_calls
-from server.reasoning import ThinkTagReasoningStream, make_reasoning_stream
-from server.tool_parsers import (
+from server.chat.output import ChoiceParser, ParsedDelta
+from server.chat.pythonic_calls import parse_pythonic_calls
+from server.chat.reasoning import ThinkTagReasoningStream, make_reasoning_stream
+from server.chat.tool_parsers import (
     HermesToolStream,
     Llama3JsonToolStream,
     MistralToolStream,
@@ -25,7 +23,9 @@ from server.tool_parsers import (
     RequiredToolStream,
     merge_deltas,
 )
-from server.tools import ToolPlan, plan_tools
+from server.chat.tools import ToolPlan, plan_tools
+from server.common.errors import APIError
+from server.common.protocol import ChatCompletionRequest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",

@@ -205,7 +205,7 @@ def test_config_from_vllm_json():
 
 
 def test_cli_flag_as_vllm_spells_it():
-    from server.cli import engine_config_from_args, make_arg_parser
+    from server.http.cli import engine_config_from_args, make_arg_parser
 
     parser = make_arg_parser()
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", '

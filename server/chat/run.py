@@ -1,0 +1,101 @@
+"""Start one chat generation: check the chat request, render it through the chat template,
+build its SamplingParams and queue it. Every API that answers with an assistant turn
+(chat completions, Responses, Anthropic Messages, Ollama) starts here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from server.chat.output import ChoiceParser
+from server.chat.reasoning import grammar_after_reasoning
+from server.chat.reasoning import keeps_special_tokens as reasoning_keeps_special_tokens
+from server.chat.sampling import (
+    build_sampling_params,
+    check_common,
+    check_prompts,
+    new_request_id,
+    record_user,
+)
+from server.chat.template import apply_chat_template, check_template_kwargs
+from server.chat.tool_parsers import keeps_special_tokens as tool_parser_keeps_special_tokens
+from server.chat.tools import ToolPlan, plan_output
+from server.common.errors import bad_request
+from server.common.lifecycle import ActiveRequest
+from server.common.protocol import ChatCompletionRequest
+from server.common.state import ServerState
+
+
+@dataclass
+class ChatRun:
+    """A chat generation the engine has (admitted and queued): what formatters need.
+
+    The caller owns `active` and must `finish()` it (EngineStreamingResponse does).
+    """
+
+    request_id: str
+    created: int
+    active: ActiveRequest
+    plan: ToolPlan
+    num_top: int  # top logprobs per token (0: none)
+    num_prompt_tokens: int
+
+    def parser(self, state: ServerState) -> ChoiceParser:
+        """A fresh parser of one choice (reasoning, tool calls; plain text passes through)."""
+        return ChoiceParser(state.reasoning_parser, self.plan)
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
+                     id_prefix: str = "chatcmpl", prompt_token_ids: list[int] | None = None,
+                     max_context: int | None = None) -> ChatRun:
+    """Check `body`, render its messages through the chat template, start the generation.
+
+    Every API that produces one assistant turn goes through here (chat completions, and
+    the Responses, Anthropic and Ollama layers, which translate their requests into a
+    ChatCompletionRequest). `prompt_token_ids`: a prompt to use instead of the rendered
+    messages (Ollama's raw generate). `max_context`: a client-side context limit below
+    the server's (Ollama's num_ctx): the prompt must fit it and the output stops at it.
+    Errors are 400 APIErrors naming chat's field names.
+    """
+    check_common(state, body, body.unsupported_field())
+    record_user(raw_request, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs",
+                          "invalid_value")
+    num_top = body.top_logprobs or 0
+    plan, structured_outputs = await plan_output(body, state.tool_call_parser, state.engine)
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    try:
+        params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,
+                                       structured_outputs=structured_outputs)
+    except Exception as exc:
+        if getattr(exc, "param", None) == "logprobs":
+            exc.param = "top_logprobs"  # chat's name for the number of alternatives
+        raise
+    if (plan.mode == "auto" and tool_parser_keeps_special_tokens(plan.parser)) or \
+            reasoning_keeps_special_tokens(state.reasoning_parser):
+        params.skip_special_tokens = False  # the format's markers are special tokens
+    if prompt_token_ids is None:
+        _, prompt_token_ids = apply_chat_template(state, body.messages,
+                                                  body.add_generation_prompt,
+                                                  plan.template_tools, template_kwargs)
+    if max_context is not None:
+        room = max_context - len(prompt_token_ids)
+        if room < 1:
+            raise bad_request(f"The prompt has {len(prompt_token_ids)} tokens, which leaves "
+                              f"no room in the context of {max_context}.", "num_ctx",
+                              "invalid_value")
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    if structured_outputs is not None and state.reasoning_parser is not None:
+        params.structured_outputs = grammar_after_reasoning(
+            state.tokenizer, state.reasoning_parser, structured_outputs, prompt_token_ids)
+    check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
+    state.metrics.record_structured_output(structured_outputs)
+
+    request_id = new_request_id(id_prefix)
+    active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
+                                         priority=body.priority, cache_salt=body.cache_salt)
+    return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids))

@@ -1,0 +1,68 @@
+"""What the HTTP handlers share: the engine, the tokenizer, and the served model's facts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.xray_schema import XrayLimits
+from server.common.lifecycle import Lifecycle, ServerLimits
+from server.common.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class XrayOptions:
+    """GET /xray and /xray/state (server/http/xray.py): --no-xray, --xray-show-text."""
+
+    enabled: bool = True  # --no-xray: no routes at all
+    show_text: bool = False  # --xray-show-text: prompt and output text of listed requests
+    min_interval_s: float = 0.25  # at most 4 snapshots a second
+    max_interval_s: float = 30.0  # the stalest a costly snapshot (a huge pool) may get
+    max_core_share: float = 0.01  # of the core's time spent building snapshots
+    timeout_s: float = 10.0  # waiting for the core (it answers between two steps)
+    max_text_chars: int = 200  # per prompt and per output, with --xray-show-text
+    limits: XrayLimits = field(default_factory=XrayLimits)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    model_root: str  # the local model directory
+    metrics: ServerMetrics
+    api_key: str | None = None
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` field orders them
+    # Extra end-of-sequence ids (e.g. from generation_config) added to every request.
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # Admission, deadlines and the shutdown drain (built from `limits` if not given).
+    lifecycle: Lifecycle | None = None
+    # /health: how long the engine core may take to answer a ping, and how long a busy
+    # core that does not answer still counts as alive (see AsyncEngine.check_health).
+    health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
+    health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
+    # GET /xray and /xray/state (--no-xray, --xray-show-text).
+    xray: XrayOptions = field(default_factory=XrayOptions)
+    # Chat: the parser of tool_choice "auto" (None: "auto" is refused) and of reasoning.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    # The Responses API's stored responses (server/apis/responses/store.py; its routes
+    # build it from `limits` if not given).
+    responses: Any = None
+
+    def __post_init__(self) -> None:
+        if self.lifecycle is None:
+            self.lifecycle = Lifecycle(self.engine, self.limits, self.metrics)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry."""
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len

@@ -1,0 +1,372 @@
+"""Start-up and shutdown of one server: socket, tokenizer, engine, app, uvicorn.
+
+    APIServer.start():  bind the socket (fail fast if the port is taken), load the
+                        tokenizer, start the engine core (its own process), build the app
+    APIServer.serve():  run uvicorn on the bound socket until asked to stop, then shut
+                        the engine down
+
+Stopping (SIGTERM or SIGINT in the main thread, or `request_stop()` from anywhere):
+/health and every new request get 503 at once while the listener stays open; the
+requests in flight get up to `shutdown_timeout_s` to finish, then the rest are aborted
+(finish_reason "abort"); then uvicorn closes its connections, the engine core process
+is stopped and joined, and `serve()` returns (the CLI exits 0). A second signal skips
+the wait. uvicorn's own signal handling is replaced: it would re-raise the signal after
+its shutdown and kill the process with it.
+
+One of several API server processes (`serve --api-server-count N`, server/http/launcher.py):
+the same class, given the launcher's listening socket and a `SharedCoreLink` instead of
+binding one and starting a core; it then leaves signals to the launcher (which asks it
+to stop with `request_stop`), records metrics in multiprocess mode, and says which API
+server answered in an `x-pagedserve-api-server` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import uvicorn
+
+from engine.config import EngineConfig
+from engine.executor.abstract import ExecutorSpec
+from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
+from engine.frontend.shared_core_client import AsyncSharedCoreClient
+from engine.ipc import SharedCoreLink
+from server.chat.tool_parsers import parser_for_model_type
+from server.common.lifecycle import ServerLimits
+from server.common.metrics import ServerMetrics
+from server.common.state import ServerState, XrayOptions
+from server.http.app import build_app
+
+logger = logging.getLogger("pagedserve")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (see APIServer.url)
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    log_level: str = "info"
+    engine_mode: Literal["process", "thread"] = "process"
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    shutdown_timeout_s: float = 5.0  # drain: how long in-flight requests may still run
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
+    health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
+    xray: XrayOptions = field(default_factory=XrayOptions)
+    # "auto": by the model's family (server/chat/tool_parsers.py); "none": no parser.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers (APIServer.serve installs its own)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer: Any
+    eos_token_id: int | None
+    extra_stop_token_ids: list[int]
+
+
+def resolve_tool_call_parser(name: str, model_dir: str | Path) -> str | None:
+    """--tool-call-parser: "auto" picks by config.json's model_type; "none" is None."""
+    if name == "none":
+        return None
+    if name != "auto":
+        return name
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    return parser_for_model_type(model_type)
+
+
+def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
+    """The model's tokenizer and end-of-sequence ids (generation_config wins).
+
+    A generation_config may list several EOS ids: the first is the engine's EOS, the
+    others stop a request like stop_token_ids do.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    eos_ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(str(model_dir))
+        value = generation.eos_token_id
+        eos_ids = [value] if isinstance(value, int) else list(value or [])
+    except Exception:  # noqa: BLE001 - no generation_config.json is fine
+        pass
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.insert(0, tokenizer.eos_token_id)
+    eos = eos_ids[0] if eos_ids else None
+    return TokenizerInfo(tokenizer, eos, eos_ids[1:])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+    # proto says TCP. Without it a response written in two parts (head, then body) waits
+    # for the client's delayed ACK: +40 ms on every JSON answer.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _warm_up() -> None:
+    """Keep start-up costs off the requests' event loop.
+
+    * Import now what the first requests would import lazily: anyio's asyncio backend
+      (Starlette's streaming responses use its task groups) blocks the loop for 0.2-0.7 s.
+    * When the server owns the process (it runs in the main thread: the CLI), freeze the
+      start-up heap (torch, transformers, the tokenizer: some 300k objects) out of the
+      garbage collector's reach: otherwise every full collection walks all of it,
+      100-400 ms with the loop blocked, and a burst of requests triggers several.
+      `serve()` unfreezes it when it ends.
+    """
+    async with anyio.create_task_group():
+        pass
+    if threading.current_thread() is threading.main_thread():
+        gc.collect()
+        gc.freeze()
+
+
+API_SERVER_HEADER = b"x-pagedserve-api-server"
+
+
+class APIServerHeader:
+    """ASGI middleware: every response says which API server process answered it."""
+
+    def __init__(self, app, index: int):
+        self.app = app
+        self.value = str(index).encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (API_SERVER_HEADER, self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class APIServer:
+    def __init__(
+        self,
+        options: ServeOptions,
+        engine_config: EngineConfig,
+        model_dir: str | Path,
+        served_model_names: list[str],
+        executor_spec: ExecutorSpec | None = None,
+        *,
+        shared_core: SharedCoreLink | None = None,
+        sock: socket.socket | None = None,
+    ):
+        """`shared_core` and `sock`: one of several API server processes (module doc)."""
+        self.options = options
+        self.engine_config = engine_config
+        self.model_dir = str(model_dir)
+        self.served_model_names = served_model_names
+        self.executor_spec = executor_spec
+        self.shared_core = shared_core
+        self._given_socket = sock
+        self.state: ServerState | None = None
+        self.socket: socket.socket | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        # Stopping (see the module doc): the serving loop, its stop event, and whether a
+        # stop was asked for (before serve() started, too) or forced by a second signal.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = False
+        self._force = False
+
+    @property
+    def url(self) -> str:
+        assert self.socket is not None, "start() first"
+        host, port = self.socket.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        """Bind, load, start the engine. Raises OSError / EngineStartupError."""
+        options = self.options
+        self.socket = self._given_socket or bind_socket(options.host, options.port)
+        try:
+            # The tokenizer loads in a thread while the engine core process starts.
+            info_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.model_dir))
+            try:
+                if self.shared_core is not None:
+                    client = await AsyncSharedCoreClient.start(self.shared_core,
+                                                               options.startup_timeout_s)
+                else:
+                    client = await start_async_client(
+                        self.engine_config, self.executor_spec, options.engine_mode,
+                        options.startup_timeout_s, options.log_level)
+            except BaseException:
+                info_load.cancel()
+                raise
+            try:
+                info = await info_load
+            except BaseException:
+                client.shutdown()
+                raise
+            metrics = ServerMetrics(self.served_model_names[0],
+                                    multiprocess=self.shared_core is not None)
+            engine = AsyncEngine.from_client(client, info.tokenizer,
+                                             eos_token_id=info.eos_token_id, observer=metrics)
+        except BaseException:
+            self.socket.close()
+            raise
+        metrics.set_cache_config(self.engine_config.cache_config, engine.kv_cache_info)
+        self.state = ServerState(
+            engine=engine, tokenizer=info.tokenizer, served_model_names=self.served_model_names,
+            model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
+            scheduling_policy=self.engine_config.scheduler_config.policy,
+            extra_stop_token_ids=info.extra_stop_token_ids, limits=options.limits,
+            health_ping_timeout_s=options.health_ping_timeout_s,
+            health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
+            tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),
+            reasoning_parser=options.reasoning_parser,
+        )
+        app = build_app(self.state, options.allowed_origins)
+        if self.shared_core is not None:
+            app.add_middleware(APIServerHeader, index=self.shared_core.client_index)
+        await _warm_up()
+        host, port = self.socket.getsockname()[:2]
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False,
+            log_level=options.log_level.lower(), lifespan="off",
+            # The drain already waited for the requests; this only closes connections.
+            timeout_graceful_shutdown=1,
+            # h11 (pure Python) enforces a limit on the request head; httptools has none.
+            http="h11", h11_max_incomplete_event_size=options.limits.max_header_bytes,
+        )
+        self._uvicorn = _Uvicorn(config)
+        kv = engine.kv_cache_info
+        if self.shared_core is not None:  # the launcher says "serving ... at <url>;"
+            logger.info("API server %d (pid %d) ready on %s; max_model_len=%d, KV cache %d "
+                        "blocks x %d tokens", self.shared_core.client_index, os.getpid(),
+                        self.url, kv.max_model_len, kv.num_blocks, kv.block_size)
+            return
+        logger.info(
+            "serving %s (%s) at %s; max_model_len=%d, KV cache %d blocks x %d tokens",
+            ", ".join(self.served_model_names), self.model_dir, self.url, kv.max_model_len,
+            kv.num_blocks, kv.block_size)
+
+    async def serve(self) -> None:
+        """Serve until `request_stop()` (or SIGINT/SIGTERM in the main thread), drain,
+        stop the engine."""
+        assert self._uvicorn is not None and self.state is not None, "start() first"
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        signals = []
+        # SIGTERM/SIGINT handlers (main thread only); the launcher's API servers leave
+        # signals to the launcher.
+        if self.shared_core is None and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                signals.append(sig)
+        serving = loop.create_task(self._uvicorn.serve(sockets=[self.socket]))
+        stopping = loop.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done():
+                await self.state.lifecycle.drain(
+                    0.0 if self._force else self.options.shutdown_timeout_s)
+                self._uvicorn.should_exit = True
+            await serving
+        finally:
+            stopping.cancel()
+            try:
+                await self.state.engine.shutdown()
+                self.socket.close()
+            finally:
+                for sig in signals:  # kept until here: a signal must not cut the clean-up
+                    loop.remove_signal_handler(sig)
+                gc.unfreeze()
+            logger.info("server stopped")
+
+    async def run(self) -> None:
+        await self.start()
+        await self.serve()
+
+    def _on_signal(self, sig: int) -> None:
+        self._on_stop_request(f"received {signal.Signals(sig).name}")
+
+    def _on_stop_request(self, what: str) -> None:
+        """The first request drains, a second one aborts what is left at once."""
+        if self._stop_requested:
+            logger.warning("%s again: aborting the remaining requests now", what)
+            self._force = True
+            self.state.lifecycle.draining = True
+            for active in list(self.state.lifecycle.active):
+                active.abort("shutdown")
+            return
+        logger.info("%s: shutting down (drain up to %.1f s)", what,
+                    self.options.shutdown_timeout_s)
+        self._begin_stop()
+
+    def _begin_stop(self) -> None:
+        self._stop_requested = True
+        if self.state is not None:
+            self.state.lifecycle.draining = True  # 503 from now on, not from the next tick
+        if self._stop is not None:
+            self._stop.set()
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """Start the graceful shutdown (as SIGTERM does); safe from any thread.
+
+        With a `reason` (logged), it acts like a signal: asked again, the requests
+        still in flight are aborted at once."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._stop_requested = True
+            return
+        try:
+            if reason is None:
+                loop.call_soon_threadsafe(self._begin_stop)
+            else:
+                loop.call_soon_threadsafe(self._on_stop_request, reason)
+        except RuntimeError:  # the loop just closed
+            pass
+
+    @property
+    def started(self) -> bool:
+        return self._uvicorn is not None and self._uvicorn.started
