@@ -530,7 +530,7 @@ def test_wheel_builds_from_the_docker_build_context(tmp_path):
         names = set(archive.namelist())
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = archive.read(entry_points).decode()
-    assert re.search(r"^pagedserve\s*=\s*server\.cli:main", scripts, re.M), scripts
+    assert re.search(r"^pagedserve\s*=\s*server\.http\.cli:main", scripts, re.M), scripts
     for init in ROOT.glob("*/**/__init__.py"):
         rel = init.relative_to(ROOT).as_posix()
         if rel.split("/")[0] in PACKAGES and "__pycache__" not in rel:

@@ -22,7 +22,7 @@ from engine.frontend.async_engine import EngineRequestError
 from engine.frontend.core_client import EngineDeadError
 from engine.outputs import KVCacheInfo, SchedulerStats
 from engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from server import metrics as metrics_module
+from server.common import metrics as metrics_module
 from server.common.errors import APIError
 from server.common.metrics import ServerMetrics
 from tests.support import deploy_exprs as dx
