@@ -123,6 +123,11 @@ async def serve_turn(state: ServerState, translator: Translator, raw_request: Re
         await run.active.finish()  # a no-op when respond collected it; else frees its KV
 
 
+def streamed_doc(errors: dict, description: str, media_type: str = SSE) -> dict:
+    """A generation route's OpenAPI `responses`: its errors, and a 200 that may stream."""
+    return {**errors, 200: {"description": description, "content": {media_type: {}}}}
+
+
 async def answer(raw_request: Request, work: Awaitable[Any]) -> Any:
     """Await a generation route's work, mapping what it raises.
 

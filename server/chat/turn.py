@@ -149,6 +149,11 @@ class BlockWriter:
         if segment.text:
             yield from self.delta(segment)
 
+    def write_delta(self, delta: ParsedDelta) -> Iterator[str]:
+        """The events of one piece: each of its segments written in order."""
+        for segment in segments(delta):
+            yield from self.write(segment)
+
     def end(self) -> Iterator[str]:
         """Close the open block, if any."""
         if self.key is not None:

@@ -5,6 +5,7 @@ collect_final)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
@@ -101,25 +102,32 @@ async def _aclose(iterator: Any) -> None:
         await aclose()
 
 
-async def collect_final(raw_request: Request, active: ActiveRequest) -> RequestOutput:
-    """The last RequestOutput of a one-prompt request (not streamed); finishes `active`.
+async def collect_finals(raw_request: Request, active: ActiveRequest) -> list[RequestOutput]:
+    """The last RequestOutput of each prompt of a request that is not streamed, in prompt
+    order; finishes `active`.
 
     Raises ClientDisconnected when the client leaves, or the server's abort error
     (deadline, shutdown).
     """
-    async def collect() -> RequestOutput:
-        final = None
-        async for output in active.streams[0]:
-            final = output
-        return final
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(active.streams)
+        async with contextlib.aclosing(merge_streams(active.streams)) as merged:
+            async for p, output in merged:
+                finals[p] = output
+        return finals  # type: ignore[return-value]
 
     try:
-        final = await run_until_disconnect(raw_request, collect())
+        finals = await run_until_disconnect(raw_request, collect())
     finally:
         await active.finish()
     if (error := active.error()) is not None:
         raise error
-    return final
+    return finals
+
+
+async def collect_final(raw_request: Request, active: ActiveRequest) -> RequestOutput:
+    """The last RequestOutput of a one-prompt request (see collect_finals)."""
+    return (await collect_finals(raw_request, active))[0]
 
 
 class ClientDisconnected(Exception):

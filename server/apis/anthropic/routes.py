@@ -12,7 +12,7 @@ from server.apis.anthropic.protocol import (
     MessagesRequest,
 )
 from server.apis.anthropic.translator import MessagesTranslator, count_tokens
-from server.apis.contract import answer, serve_turn
+from server.apis.contract import answer, serve_turn, streamed_doc
 from server.common.errors import error_docs
 from server.common.state import ServerState
 
@@ -21,10 +21,9 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     errors = error_docs(AnthropicErrorResponse)
 
     @app.post("/v1/messages", response_model=AnthropicMessageResponse, dependencies=auth,
-              responses={**errors, 200: {"description": (
+              responses=streamed_doc(errors, (
                   "The message. With `stream: true`: `text/event-stream` of Anthropic's "
-                  "events (message_start, content_block_*, message_delta, message_stop)."),
-                  "content": {"text/event-stream": {}}}})
+                  "events (message_start, content_block_*, message_delta, message_stop).")))
     async def messages(body: MessagesRequest, raw_request: Request):
         return await answer(raw_request,
                             serve_turn(state, MessagesTranslator(state, body), raw_request))

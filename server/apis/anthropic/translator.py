@@ -40,22 +40,11 @@ from server.apis.anthropic.protocol import (
     MessagesRequest,
 )
 from server.apis.contract import OneTurnTranslator, TurnRequest
+from server.chat import translate
 from server.chat.run import ChatRun
 from server.chat.sampling import check_model
 from server.chat.template import apply_chat_template, chat_request, check_template_kwargs
-from server.chat.translate import (
-    arguments_object,
-    cached_tokens,
-    compact_json,
-    content_text,
-    finish_kind,
-    function_call,
-    function_tool,
-    json_schema_format,
-    named_tool_choice,
-    thinking_kwargs,
-)
-from server.chat.turn import BlockWriter, Segment, Turn, TurnStream, segments
+from server.chat.turn import BlockWriter, Segment, Turn, TurnStream
 from server.common.errors import APIError, bad_request
 from server.common.protocol import UsageInfo
 from server.common.state import ServerState
@@ -71,7 +60,7 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     """The chat messages of an Anthropic conversation (see the module doc)."""
     chat: list[dict[str, Any]] = []
     if system:
-        chat.append({"role": "system", "content": content_text(system)})
+        chat.append({"role": "system", "content": translate.content_text(system)})
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
             chat.append({"role": message.role, "content": message.content})
@@ -84,10 +73,10 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue  # earlier reasoning is not sent back to the model
             elif block.type == "tool_use" and message.role == "assistant":
-                calls.append(function_call(block.id, block.name, block.input))
+                calls.append(translate.function_call(block.id, block.name, block.input))
             elif block.type == "tool_result" and message.role == "user":
                 chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                             "content": content_text(block.content)})
+                             "content": translate.content_text(block.content)})
             else:
                 raise bad_request(f"{block.type} blocks are not allowed in a {message.role} "
                                   "message.", where)
@@ -108,7 +97,7 @@ def _chat_fields(body: CountTokensRequest) -> dict[str, Any]:
             if tool.type not in (None, "custom"):
                 raise bad_request(f"server tools (type {tool.type!r}) are not supported; "
                                   "only custom tools are.", f"tools[{i}].type")
-        fields["tools"] = [function_tool(tool.name, tool.description,
+        fields["tools"] = [translate.function_tool(tool.name, tool.description,
                                          tool.input_schema or {"type": "object"})
                            for tool in body.tools]
     choice = body.tool_choice
@@ -116,7 +105,7 @@ def _chat_fields(body: CountTokensRequest) -> dict[str, Any]:
         if choice.type == "tool":
             if not choice.name:
                 raise bad_request("tool_choice of type 'tool' needs a name.", "tool_choice.name")
-            fields["tool_choice"] = named_tool_choice(choice.name)
+            fields["tool_choice"] = translate.named_tool_choice(choice.name)
         else:
             fields["tool_choice"] = _TOOL_CHOICES[choice.type]
         if choice.disable_parallel_tool_use and body.tools:
@@ -124,12 +113,12 @@ def _chat_fields(body: CountTokensRequest) -> dict[str, Any]:
     if body.tools and choice is None:
         fields["tool_choice"] = "auto"
     if body.thinking is not None:
-        fields["chat_template_kwargs"] = thinking_kwargs(body.thinking.type != "disabled")
+        fields["chat_template_kwargs"] = translate.thinking_kwargs(body.thinking.type != "disabled")
     return fields
 
 
 def _usage(usage: UsageInfo) -> AnthropicUsage:
-    cached = cached_tokens(usage)
+    cached = translate.cached_tokens(usage)
     return AnthropicUsage(input_tokens=usage.prompt_tokens - cached,
                           output_tokens=usage.completion_tokens,
                           cache_read_input_tokens=cached)
@@ -137,7 +126,7 @@ def _usage(usage: UsageInfo) -> AnthropicUsage:
 
 def _stop(finish_reason: str | None, stop_reason: int | str | None) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a turn's finish."""
-    kind = finish_kind(finish_reason, stop_reason)
+    kind = translate.finish_kind(finish_reason, stop_reason)
     return _STOP_REASONS[kind], stop_reason if kind == "stop_sequence" else None
 
 
@@ -154,7 +143,7 @@ def _content(turn: Turn) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": turn.content})
     for call in turn.tool_calls:
         blocks.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
-                       "input": arguments_object(call.arguments)})
+                       "input": translate.arguments_object(call.arguments)})
     return blocks
 
 
@@ -170,7 +159,7 @@ def count_tokens(state: ServerState, body: CountTokensRequest) -> CountTokensRes
 
 def event(name: str, data: dict[str, Any]) -> str:
     """One Anthropic SSE event: `event: <name>` and its JSON data."""
-    return f"event: {name}\n" + sse(compact_json({"type": name, **data}))
+    return f"event: {name}\n" + sse(translate.compact_json({"type": name, **data}))
 
 
 class _ContentBlocks(BlockWriter):
@@ -212,7 +201,7 @@ class MessagesTranslator(OneTurnTranslator):
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
                       stream=body.stream)
         if body.output_config is not None and body.output_config.format is not None:
-            fields["response_format"] = json_schema_format(body.output_config.format.schema_,
+            fields["response_format"] = translate.json_schema_format(body.output_config.format.schema_,
                                                            "output")
         if body.metadata and isinstance(body.metadata.get("user_id"), str):
             fields["user"] = body.metadata["user_id"]
@@ -237,9 +226,8 @@ class MessagesTranslator(OneTurnTranslator):
         yield event("ping", {})
         blocks = _ContentBlocks()
         async for piece in stream.pieces():
-            for segment in segments(piece.delta):
-                for chunk in blocks.write(segment):
-                    yield chunk
+            for chunk in blocks.write_delta(piece.delta):
+                yield chunk
             if piece.finish_reason is None:
                 continue
             for chunk in blocks.end():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from server.apis.contract import answer, serve_turn
+from server.apis.contract import answer, serve_turn, streamed_doc
 from server.apis.ollama.listings import model_facts, models_of
 from server.apis.ollama.protocol import (
     OllamaChatRequest,
@@ -40,19 +40,19 @@ async def _generation(state: ServerState, translator, empty: bool, raw_request: 
 def install_routes(app: FastAPI, state: ServerState, auth: list, version: str) -> None:
     """The /api/* routes (`version`: /api/version's)."""
     errors = error_docs(OllamaError)
-    streamed = {"description": "With `stream: true` (the default): NDJSON, one object per "
-                               "line, the last with `done: true` (or an `error` line).",
-                "content": {NDJSON: {}}}
+    streamed = streamed_doc(errors, "With `stream: true` (the default): NDJSON, one object "
+                                    "per line, the last with `done: true` (or an `error` line).",
+                            NDJSON)
 
     # Like Ollama, answers leave out empty fields (thinking, tool_calls, context).
     @app.post("/api/chat", response_model=OllamaChatResponse, dependencies=auth,
-              response_model_exclude_none=True, responses={**errors, 200: streamed})
+              response_model_exclude_none=True, responses=streamed)
     async def api_chat(body: OllamaChatRequest, raw_request: Request):
         return await answer(raw_request, _generation(
             state, ChatTranslator(state, body), not body.messages, raw_request))
 
     @app.post("/api/generate", response_model=OllamaGenerateResponse, dependencies=auth,
-              response_model_exclude_none=True, responses={**errors, 200: streamed})
+              response_model_exclude_none=True, responses=streamed)
     async def api_generate(body: OllamaGenerateRequest, raw_request: Request):
         return await answer(raw_request, _generation(
             state, GenerateTranslator(state, body), not body.prompt, raw_request))

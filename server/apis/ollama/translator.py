@@ -42,19 +42,11 @@ from server.apis.ollama.protocol import (
     OllamaOutToolCall,
     OllamaTimings,
 )
+from server.chat import translate
 from server.chat.run import ChatRun
 from server.chat.sampling import check_model
 from server.chat.template import apply_chat_template, chat_request
 from server.chat.tool_parsers import ToolCall, merge_deltas
-from server.chat.translate import (
-    arguments_object,
-    compact_json,
-    finish_kind,
-    function_call,
-    json_object_format,
-    json_schema_format,
-    thinking_kwargs,
-)
 from server.chat.turn import Turn, TurnStream
 from server.common.errors import APIError, bad_request
 from server.common.state import ServerState
@@ -101,11 +93,11 @@ def _common_fields(state: ServerState, body: OllamaChatRequest | OllamaGenerateR
     fields: dict[str, Any] = {"model": served_name(state, body.model), "messages": messages,
                               **_sampling_fields(state, body.options)}
     if body.format == "json":
-        fields["response_format"] = json_object_format()
+        fields["response_format"] = translate.json_object_format()
     elif isinstance(body.format, dict):
-        fields["response_format"] = json_schema_format(body.format, "format")
+        fields["response_format"] = translate.json_schema_format(body.format, "format")
     if body.think is not None:
-        fields["chat_template_kwargs"] = thinking_kwargs(body.think is not False)
+        fields["chat_template_kwargs"] = translate.thinking_kwargs(body.think is not False)
     return {name: value for name, value in fields.items() if value is not None}
 
 
@@ -120,7 +112,7 @@ def _chat_messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
         if message.tool_calls:
             calls = []
             for call in message.tool_calls:
-                calls.append(function_call(call.id or f"call_{next_id}", call.function.name,
+                calls.append(translate.function_call(call.id or f"call_{next_id}", call.function.name,
                                            call.function.arguments))
                 next_id += 1
             turn["tool_calls"] = calls
@@ -149,18 +141,18 @@ def _timings(final: RequestOutput, started_ns: int) -> dict[str, int]:
 
 
 def _done_reason(finish_reason: str | None) -> str:
-    return "length" if finish_kind(finish_reason) == "length" else "stop"
+    return "length" if translate.finish_kind(finish_reason) == "length" else "stop"
 
 
 def _tool_calls(calls: list[ToolCall]) -> list[OllamaOutToolCall] | None:
     result = [OllamaOutToolCall(function={"name": call.name,
-                                          "arguments": arguments_object(call.arguments)})
+                                          "arguments": translate.arguments_object(call.arguments)})
               for call in calls]
     return result or None
 
 
 def _line(data: dict[str, Any]) -> str:
-    return compact_json(data) + "\n"
+    return translate.compact_json(data) + "\n"
 
 
 class _OllamaTranslator(OneTurnTranslator):

@@ -37,9 +37,9 @@ from server.common.protocol import (
 from server.common.state import ServerState
 from server.common.streaming import (
     EngineStreamingResponse,
+    collect_finals,
     json_string,
     merge_streams,
-    run_until_disconnect,
 )
 
 
@@ -117,7 +117,6 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     active = await state.lifecycle.start(
         [(f"{request_id}-{p}", ids, text) for p, (text, ids) in enumerate(prompts)], params,
         priority=body.priority, cache_salt=body.cache_salt)
-    streams = active.streams
     if body.stream:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         chunks = _chunks(state, body, request_id, created, prompts, active, formatter,
@@ -126,19 +125,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
         return EngineStreamingResponse(
             sse_body(state, raw_request, active, chunks, finals, usage_chunk), active)
 
-    async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async with contextlib.aclosing(merge_streams(streams)) as merged:
-            async for p, output in merged:
-                finals[p] = output
-        return finals  # type: ignore[return-value]
-
-    try:
-        finals = await run_until_disconnect(raw_request, collect())
-    finally:
-        await active.finish()
-    if (error := active.error()) is not None:
-        raise error
+    finals = await collect_finals(raw_request, active)
     choices = []
     for p, final in enumerate(finals):
         for output in final.outputs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from server.apis.contract import answer, serve_turn
+from server.apis.contract import answer, serve_turn, streamed_doc
 from server.apis.responses.protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from server.apis.responses.store import ResponseStore
 from server.apis.responses.translator import ResponsesTranslator
@@ -19,10 +19,9 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
                                         state.limits.responses_store_ttl_s)
 
     @app.post("/v1/responses", response_model=ResponseObject, dependencies=auth,
-              responses={**ERROR_RESPONSES, 200: {"description": (
+              responses=streamed_doc(ERROR_RESPONSES, (
                   "The response. With `stream: true`: `text/event-stream` of the Responses "
-                  "events (response.created ... response.completed)."),
-                  "content": {"text/event-stream": {}}}})
+                  "events (response.created ... response.completed).")))
     async def responses(body: ResponsesRequest, raw_request: Request):
         return await answer(raw_request,
                             serve_turn(state, ResponsesTranslator(state, body), raw_request))

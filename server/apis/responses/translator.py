@@ -42,27 +42,15 @@ from server.apis.responses.protocol import (
     ResponseObject,
     ResponsesRequest,
 )
+from server.chat import translate
 from server.chat.run import ChatRun
 from server.chat.template import chat_request
 from server.chat.tool_parsers import ToolCall
-from server.chat.translate import (
-    cached_tokens,
-    compact_json,
-    content_text,
-    finish_kind,
-    function_call,
-    function_tool,
-    json_object_format,
-    json_schema_format,
-    named_tool_choice,
-    thinking_kwargs,
-)
 from server.chat.turn import (
     BlockWriter,
     Segment,
     Turn,
     TurnStream,
-    segments,
 )
 from server.common.errors import APIError, bad_request
 from server.common.protocol import UsageInfo
@@ -88,11 +76,11 @@ def _input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if item.role is None:
                 raise bad_request("a message item needs a role.", f"{where}.role")
             messages.append({"role": item.role,
-                             "content": content_text(item.content, f"{where}.content", _PART_TYPES)})
+                             "content": translate.content_text(item.content, f"{where}.content", _PART_TYPES)})
         elif kind == "function_call":
             if not item.call_id or not item.name:
                 raise bad_request("a function_call item needs a call_id and a name.", where)
-            call = function_call(item.call_id, item.name, item.arguments or "{}")
+            call = translate.function_call(item.call_id, item.name, item.arguments or "{}")
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -102,7 +90,7 @@ def _input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if not item.call_id:
                 raise bad_request("a function_call_output item needs a call_id.", where)
             messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": content_text(item.output, f"{where}.output", _PART_TYPES)})
+                             "content": translate.content_text(item.output, f"{where}.output", _PART_TYPES)})
         elif kind == "reasoning":
             continue  # earlier reasoning is not sent back to the model
         else:
@@ -141,25 +129,25 @@ def _chat_fields(state: ServerState, body: ResponsesRequest
         "parallel_tool_calls": body.parallel_tool_calls,
     }
     if body.tools:
-        fields["tools"] = [function_tool(tool.name, tool.description, tool.parameters,
+        fields["tools"] = [translate.function_tool(tool.name, tool.description, tool.parameters,
                                          tool.strict) for tool in body.tools]
     choice = body.tool_choice
     if choice is not None:
         fields["tool_choice"] = choice if isinstance(choice, str) else \
-            named_tool_choice(choice.name)
+            translate.named_tool_choice(choice.name)
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_object":
-        fields["response_format"] = json_object_format()
+        fields["response_format"] = translate.json_object_format()
     elif fmt is not None and fmt.type == "json_schema":
-        fields["response_format"] = json_schema_format(fmt.schema_ or {},
+        fields["response_format"] = translate.json_schema_format(fmt.schema_ or {},
                                                        fmt.name or "response")
     if body.reasoning is not None and body.reasoning.effort in ("none", "minimal"):
-        fields["chat_template_kwargs"] = thinking_kwargs(False)
+        fields["chat_template_kwargs"] = translate.thinking_kwargs(False)
     return {k: v for k, v in fields.items() if v is not None}, conversation
 
 
 def _usage(state: ServerState, usage: UsageInfo, reasoning: str) -> dict[str, Any]:
-    cached = cached_tokens(usage)
+    cached = translate.cached_tokens(usage)
     reasoning_tokens = (len(state.tokenizer(reasoning, add_special_tokens=False).input_ids)
                         if reasoning else 0)
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {
@@ -205,7 +193,7 @@ def _output_items(turn: Turn) -> list[dict[str, Any]]:
 
 
 def _item_status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_kind(finish_reason) == "length" else "completed"
+    return "incomplete" if translate.finish_kind(finish_reason) == "length" else "completed"
 
 
 def _assistant_messages(content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -276,7 +264,7 @@ class _Events(BlockWriter):
     def event(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence_number, **data}
         self.sequence_number += 1
-        return f"event: {kind}\n" + sse(compact_json(payload))
+        return f"event: {kind}\n" + sse(translate.compact_json(payload))
 
     def error(self, error: APIError) -> str:
         return self.event("error", code=error.code, message=error.message, param=error.param)
@@ -340,9 +328,8 @@ class _Events(BlockWriter):
         yield self.event("response.created", response=response.object("in_progress", []))
         yield self.event("response.in_progress", response=response.object("in_progress", []))
         async for piece in stream.pieces():
-            for segment in segments(piece.delta):
-                for chunk in self.write(segment):
-                    yield chunk
+            for chunk in self.write_delta(piece.delta):
+                yield chunk
             if piece.finish_reason is None:
                 continue
             self.status = _item_status(piece.finish_reason)  # of the last item
