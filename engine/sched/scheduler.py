@@ -28,8 +28,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import KVCacheManager
@@ -220,29 +222,65 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        """Plan one step: which requests compute how many tokens, into which blocks.
+
+        Contract: the step fits `max_num_batched_tokens` tokens and `max_num_seqs`
+        requests. Running requests come first, in order (`_schedule_running`), then
+        waiting ones in queue order (`_schedule_waiting`); a step that had to preempt a
+        running request for KV room admits no waiting request. When this returns, the
+        scheduled tokens count as computed (`_count_scheduled_as_computed`) and the
+        finished ids it reports are forgotten.
+
+        Worked example (budget 8 tokens, room in the KV cache, fcfs): running A and B
+        decode, waiting C has a 10-token prompt ->
+            running phase:  A 1, B 1              (budget 8 -> 6)
+            waiting phase:  C 6, its first chunk  (budget 6 -> 0; C computes 4 more next step)
+            num_scheduled_tokens {A: 1, B: 1, C: 6}, 8 tokens in all.
+        """
         if self.waiting_for_grammar:
             self._admit_compiled()
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:  # a step that preempted for room admits nobody
+            self._schedule_waiting(step)
+        output = self._make_output(step)
+        if self.speculator is not None:
+            output.scheduled_spec_decode_tokens = step.spec_tokens
+            output.num_blocks_after_rollback = self._num_blocks_after_rollback
+            self._num_blocks_after_rollback = {}
+        self._count_scheduled_as_computed(step.num_scheduled_tokens)
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Give each running request, in order, the tokens it still lacks and the blocks
+        for them, until the budget is spent.
+
+        Contract: a decode gets 1 token (plus its drafts, when it speculates), a prefill
+        the rest of its prompt up to the budget; no request computes a position at or
+        beyond max_model_len. When the KV cache has no room for a request, its drafts
+        go first, then running requests are preempted by the victim rule
+        (`_preemption_victim`) one at a time until it fits; once the victim is the
+        request itself, nothing after it runs this step. A victim the step had already
+        scheduled (priority policy only) gives its tokens back. Skipped, but keeping
+        their seats: a request with nothing to compute, and (async scheduling) one
+        whose unknown last token may be its last or is needed by its grammar.
+
+        Worked example (budget 8 tokens): running A decodes, B has 10 prompt tokens left
+            -> A 1, B 7 (budget 0).
+        Preemption (fcfs, KV cache full, each of running A, B, C needs a new block):
+            A does not fit -> C, the last, is preempted (blocks freed, front of waiting);
+            A and B now fit -> A 1, B 1; C waits, and no waiting request is admitted.
+        """
         speculator = self.speculator
         if speculator is not None and len(self.running) > self.spec_max_running:
             speculator = None  # a wide batch: one more token per request costs more than it saves
-
-        unscheduler = _Unscheduler(scheduled_running, num_scheduled_tokens, new_block_ids,
-                                   spec_tokens)
-
-        # 1. Running requests, in order.
         allocate_slots = self.kv_cache_manager.allocate_slots
         last_position = self.max_model_len - 1  # never compute a position at or beyond it
+        running = self.running
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        while index < len(running) and step.token_budget > 0:
+            request = running[index]
             num_placeholders = request.num_output_placeholders
             if num_placeholders and not self._may_run_ahead(request):
                 index += 1
@@ -250,7 +288,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             num_new_tokens = min(
                 len(request.all_token_ids) + num_placeholders - num_computed,
-                token_budget,
+                step.token_budget,
                 last_position - num_computed,
             )
             if num_new_tokens <= 0:
@@ -259,101 +297,109 @@ class Scheduler:
             drafts = None
             if (speculator is not None and num_new_tokens == 1 and not num_placeholders
                     and num_computed == len(request.all_token_ids) - 1):
-                # A decode: room for drafts within the budget, the model length, and
-                # max_tokens (the bonus token counts: k drafts emit up to k + 1).
-                drafts = speculator.propose(request, min(
-                    token_budget - 1, last_position - num_computed - 1,
-                    request.max_tokens - request.num_output_tokens - 1))
-                if drafts and request.grammar is not None:
-                    kept = request.grammar.valid_draft(drafts)  # cut where it is refused
-                    speculator.record_grammar_cut(len(drafts) - len(kept))
-                    drafts = kept
+                drafts = self._propose_drafts(speculator, request, step.token_budget)
                 num_new_tokens += len(drafts)
-            while True:
-                new_blocks = allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
+            while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
                 if drafts:  # no room for the drafts: decode normally first
                     drafts = None
                     num_new_tokens = 1
                     continue
-                victim = self._pick_preemption_victim()
-                if victim in scheduled_running:
-                    # Only under the priority policy: give back its tokens this step.
-                    token_budget += unscheduler.take_back(victim)
-                    index -= 1
-                self._preempt(victim)
-                preempted.append(victim)
+                victim = self._preemption_victim()
+                if self._preempt_in_step(step, victim):
+                    index -= 1  # it stood before `request`, which moved up one
                 if victim is request:
                     break
             if new_blocks is None:
                 break  # `request` itself was preempted; nothing lower is left to run
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.req_id] = num_new_tokens
-            if drafts:
-                spec_tokens[request.req_id] = drafts
-            new_block_ids[request.req_id] = [b.block_id for b in new_blocks] if new_blocks else []
-            token_budget -= num_new_tokens
+            step.add_running(request, num_new_tokens, new_blocks, drafts)
             index += 1
 
-        # 2. Waiting requests, only if no running request had to be preempted above.
-        #    A request that does not fit waits (fcfs), or (priority) preempts running
-        #    requests of strictly lower priority until it fits.
-        may_admit = not preempted
-        while may_admit and len(self.waiting) > 0 and token_budget > 0:
-            request = self.waiting.peek()
-            if preempted and request.priority >= min(v.priority for v in preempted):
-                break  # after preempting, only requests that outrank every victim jump in
-            if len(self.running) >= self.config.max_num_seqs:
-                victim = self._lower_priority_victim(request)
-                if victim is None:
-                    break  # no seat
-                token_budget += unscheduler.take_back(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                continue
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                break
-            num_new_tokens = min(num_new_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks, num_computed
-            )
-            if new_blocks is None:
-                victim = self._lower_priority_victim(request)
-                if victim is None:
-                    break  # out of KV blocks, and nothing it may preempt
-                token_budget += unscheduler.take_back(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                continue  # look its prefix up again: the victim's blocks may be gone
-            self.waiting.pop()
-            self.running.append(request)
-            if request.status == RequestStatus.PREEMPTED:
-                scheduled_resumed.append(request)
-            else:
-                scheduled_new.append(request)
-                request.num_cached_tokens = num_computed
-                self._scheduled_times[request.req_id] = time.time()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            num_scheduled_tokens[request.req_id] = num_new_tokens
-            token_budget -= num_new_tokens
+    def _propose_drafts(self, speculator: Speculator, request: Request,
+                        token_budget: int) -> list[int]:
+        """A decode's drafts: as many as fit the budget, the model length and max_tokens
+        (the bonus token counts: k drafts emit up to k + 1), cut where the request's
+        grammar refuses them.
 
-        output = self._make_output(
-            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
-            new_block_ids, preempted, spec_tokens,
-        )
-        if self.speculator is not None:
-            output.scheduled_spec_decode_tokens = spec_tokens
-            output.num_blocks_after_rollback = self._num_blocks_after_rollback
-            self._num_blocks_after_rollback = {}
-        # The scheduled tokens count as computed from now on: the runner computes them
-        # before any later step. With async scheduling, a request that samples in this
-        # step gets a placeholder for that token until update_from_output appends it;
-        # the next schedule() may already compute its position (the runner has the
-        # token by then: steps run in order).
+        Example: budget 3, max_model_len far, max_tokens 10 with 8 output tokens ->
+        at most min(3 - 1, ..., 10 - 8 - 1) = 1 draft.
+        """
+        num_computed = request.num_computed_tokens
+        drafts = speculator.propose(request, min(
+            token_budget - 1, self.max_model_len - 1 - num_computed - 1,
+            request.max_tokens - request.num_output_tokens - 1))
+        if drafts and request.grammar is not None:
+            kept = request.grammar.valid_draft(drafts)  # cut where it is refused
+            speculator.record_grammar_cut(len(drafts) - len(kept))
+            drafts = kept
+        return drafts
+
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Admit waiting requests in queue order while the budget and the seats last.
+
+        Contract: a request computes only what its longest cached prefix lacks
+        (`get_computed_blocks`), up to the budget; without chunked prefill it computes
+        all of that or waits, and so does everything behind it. A request without a
+        seat or without KV blocks waits (fcfs), or (priority policy) preempts running
+        requests of strictly lower priority, one at a time, until it fits; from the
+        first such preemption on, only requests that outrank every victim are admitted.
+
+        Worked example (budget 6 after the running phase, blocks of 4 tokens, fcfs):
+            waiting C has a 10-token prompt whose first block (4 tokens) is cached
+            -> C computes tokens 4..9: 6 tokens (budget 0); D behind it waits.
+        Priority (max_num_seqs 2; running A p0 and B p3, each given 1 token; waiting C p1):
+            no seat -> victim B (p3 > p1): preempted, its token back in the budget;
+            C is admitted; B, back in waiting, does not outrank itself: the loop stops.
+        """
+        waiting, running = self.waiting, self.running
+        while len(waiting) > 0 and step.token_budget > 0:
+            request = waiting.peek()
+            if step.preempted and request.priority >= min(v.priority for v in step.preempted):
+                break  # after preempting, only requests that outrank every victim jump in
+            if len(running) < self.config.max_num_seqs:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed
+                if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                    break  # it must be computed whole, and does not fit this step
+                num_new_tokens = min(num_new_tokens, step.token_budget)
+                if self.kv_cache_manager.allocate_slots(
+                        request, num_new_tokens, computed_blocks, num_computed) is not None:
+                    self._admit(step, request, num_computed, num_new_tokens)
+                    continue
+            # No seat, or no KV blocks: preempt a running request it outranks, then look
+            # its prefix up again (the victim's blocks may be gone); or it waits.
+            victim = self._preemption_victim(outranking=request)
+            if victim is None:
+                break
+            self._preempt_in_step(step, victim)
+
+    def _admit(self, step: _StepPlan, request: Request, num_computed: int,
+               num_new_tokens: int) -> None:
+        """Move `request`, the head of `waiting`, to `running`: new, or resumed after a
+        preemption; its `num_computed` cached tokens count as computed and
+        `num_new_tokens` more are scheduled."""
+        self.waiting.pop()
+        self.running.append(request)
+        if request.status == RequestStatus.PREEMPTED:
+            step.scheduled_resumed.append(request)
+        else:
+            step.scheduled_new.append(request)
+            request.num_cached_tokens = num_computed
+            self._scheduled_times[request.req_id] = time.time()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        step.num_scheduled_tokens[request.req_id] = num_new_tokens
+        step.token_budget -= num_new_tokens
+
+    def _count_scheduled_as_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """The scheduled tokens count as computed from now on: the runner computes them
+        before any later step. With async scheduling, a request that samples in this
+        step gets a placeholder for that token until update_from_output appends it;
+        the next schedule() may already compute its position (the runner has the
+        token by then: steps run in order).
+
+        Example (async): 5 tokens, 4 computed, 1 scheduled -> 5 computed, 1 placeholder;
+        the next step may schedule position 5 before the sampled token is known.
+        """
         requests = self.requests
         if self.config.async_scheduling:
             for req_id, num_tokens in num_scheduled_tokens.items():
@@ -365,8 +411,6 @@ class Scheduler:
         else:
             for req_id, num_tokens in num_scheduled_tokens.items():
                 requests[req_id].num_computed_tokens += num_tokens
-        self.finished_req_ids = set()
-        return output
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Async scheduling: may `request`, whose last sampled token is not known yet,
@@ -376,30 +420,50 @@ class Scheduler:
                 and request.num_output_tokens + request.num_output_placeholders
                 < request.max_tokens)
 
-    def _pick_preemption_victim(self) -> Request:
-        if self.config.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
+    # ------------------------------------------------------------------ preemption
+    def _preemption_victim(self, outranking: Request | None = None) -> Request | None:
+        """The victim rule: the running request to preempt when room is short.
 
-    def _lower_priority_victim(self, request: Request) -> Request | None:
-        """Priority policy: the running request a waiting `request` may preempt (the
-        lowest priority, i.e. highest value, then latest arrival), taken out of
-        `running`; None if none has a strictly lower priority than `request`."""
-        if self.config.policy != "priority" or not self.running:
+        The lowest-priority running request: under the priority policy the highest
+        `priority` value, then the latest arrival; under fcfs the last in `running`.
+        For a waiting request `outranking` that wants room: only under the priority
+        policy, and only a victim of strictly lower priority; else None. The victim
+        stays in `running` (`_preempt_in_step` takes it out).
+
+        Example (priority): running A (p0, arrived 1), B (p2, 2), C (p2, 3) -> C;
+        for a waiting D of p2 -> None (none is strictly lower), of p1 -> C.
+        """
+        running = self.running
+        if self.config.policy != "priority":
+            return running[-1] if outranking is None and running else None
+        if not running:
             return None
-        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        if victim.priority <= request.priority:
+        victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+        if outranking is not None and victim.priority <= outranking.priority:
             return None
-        self.running.remove(victim)
         return victim
+
+    def _preempt_in_step(self, step: _StepPlan, victim: Request) -> bool:
+        """Preempt `victim` for room in this step: out of `running`, out of what the
+        step has scheduled so far (its tokens back in the budget), reset to waiting
+        (`_preempt`), recorded as preempted. True if the step had scheduled it (only
+        under the priority policy can a victim already be in the step)."""
+        running = self.running
+        if victim is running[-1]:
+            running.pop()
+        else:
+            running.remove(victim)
+        was_scheduled = step.take_back(victim)
+        self._preempt(victim)
+        step.preempted.append(victim)
+        return was_scheduled
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the blocks, reset progress, front of waiting.
 
-        Runs before this step's tokens count as computed, so `num_computed_tokens`
-        is what is written; blocks hashed for this step's tokens lose their hashes.
+        The caller has taken `request` out of `running`. Runs before this step's tokens
+        count as computed, so `num_computed_tokens` is what is written; blocks hashed
+        for this step's tokens lose their hashes.
         """
         self.kv_cache_manager.free(request, num_written_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
@@ -408,17 +472,16 @@ class Scheduler:
         self._num_preemptions_since_stats += 1
         self.waiting.add_preempted(request)
 
-    def _make_output(
-        self,
-        scheduled_new: list[Request],
-        scheduled_resumed: list[Request],
-        scheduled_running: list[Request],
-        num_scheduled_tokens: dict[str, int],
-        new_block_ids: dict[str, list[int]],
-        preempted: list[Request],
-        spec_tokens: dict[str, list[int]],
-    ) -> SchedulerOutput:
+    # ------------------------------------------------------------------ output
+    def _make_output(self, step: _StepPlan) -> SchedulerOutput:
+        """The step's plan for the runner: new requests in full, running and resumed
+        ones as a diff, in batch order (running, resumed, new)."""
         manager = self.kv_cache_manager
+        scheduled_new = step.scheduled_new
+        scheduled_resumed = step.scheduled_resumed
+        scheduled_running = step.scheduled_running
+        num_scheduled_tokens = step.num_scheduled_tokens
+        new_block_ids = step.new_block_ids
         new_reqs = [
             NewRequestData(
                 req_id=r.req_id,
@@ -457,9 +520,9 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=sum(ordered.values()),
-            preempted_req_ids={r.req_id for r in preempted},
+            preempted_req_ids={r.req_id for r in step.preempted},
             finished_req_ids=self.finished_req_ids,
-            grammar=(self._grammar_bitmask(ordered, spec_tokens)
+            grammar=(self._grammar_bitmask(ordered, step.spec_tokens)
                      if self._constrained_req_ids else None),
         )
 
@@ -505,10 +568,22 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+        """Apply one step's results: per request, append its sampled tokens up to the
+        first that stops it (`_append_sampled`), roll back its rejected drafts, report
+        it, free it if it finished; then the step's stats (`_step_outputs`).
+
+        Contract: after the error outputs of requests whose grammar failed to compile,
+        one EngineCoreOutput per scheduled request that got tokens, finished (stop,
+        length, error) or has prompt logprobs; none for a request mid-prefill, nor for
+        one finished or aborted while the step ran. A finished request is out of the
+        queues and its blocks are free when this returns.
+
+        Worked example (A decodes, max_tokens 5, 4 output tokens; B is mid-prefill):
+            sampled {A: [17], B: []} -> A appends 17 and reaches max_tokens: output
+            (A, [17], "length"), A freed; B: no output; stats: 1 generation token.
+        """
         outputs: list[EngineCoreOutput] = self.take_grammar_failures()
-        num_prompt_tokens = num_generation_tokens = num_prompt_tokens_prefilled = 0
-        inter_token_latencies_s: list[float] = []
+        tally = _StepTally()
         now = time.time()
         computed_before = scheduler_output.num_computed_tokens_before()
         requests = self.requests
@@ -517,7 +592,6 @@ class Scheduler:
         errors = runner_output.errors
         all_logprobs = runner_output.logprobs
         all_prompt_logprobs = runner_output.prompt_logprobs
-        max_model_len = self.max_model_len
         running_status, last_unfinished = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -526,56 +600,23 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             num_computed_before = computed_before[req_id]
             if num_computed_before < request.num_prompt_tokens:  # (part of) a prefill
-                num_prompt_tokens += (
+                tally.num_prompt_tokens += (
                     min(num_computed_before + num_tokens, request.num_prompt_tokens)
                     - num_computed_before
                 )
-            index = req_id_to_index.get(req_id)
             # Async scheduling: a later schedule() may have preempted it meanwhile;
             # the tokens this step sampled for it still count (the runner kept them).
             was_running = request.status == running_status
             if errors and req_id in errors:
-                self._dequeue(request, was_running)
-                request.status = RequestStatus.FINISHED_ERROR
-                self._free_request(request)
-                outputs.append(EngineCoreOutput(req_id, [], "error", error=errors[req_id]))
+                outputs.append(self._fail_request(request, was_running, errors[req_id]))
                 continue
+            index = req_id_to_index.get(req_id)
             sampled = sampled_token_ids[index] if index is not None else []
-            if sampled and request.num_output_placeholders:
-                request.num_output_placeholders -= 1
-            new_token_ids: list[int] = []
-            grammar = request.grammar
-            for token_id in sampled:
-                if grammar is not None and not grammar.active:
-                    # Free reasoning: the grammar starts after its end token.
-                    grammar.active = token_id == grammar.params.after_token_id
-                elif grammar is not None and not grammar.accept(token_id):
-                    # Only a token the mask allowed can get here; end the output cleanly.
-                    logger.warning("request %s: grammar rejected token %d; stopping",
-                                   req_id, token_id)
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    break
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                # Most tokens end nothing: the full stop rules run only for a token
-                # that may stop it or at a length limit.
-                if (token_id in request.stop_check_token_ids
-                        or len(request.output_token_ids) >= request.max_tokens
-                        or len(request.all_token_ids) >= max_model_len) and self._check_stop(
-                            request, token_id):
-                    break
-                if grammar is not None and grammar.terminated:
-                    request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
-                    break
+            new_token_ids = self._append_sampled(request, sampled) if sampled else []
             if spec_tokens and req_id in spec_tokens and sampled:
                 self._roll_back_rejected(request, len(spec_tokens[req_id]), len(sampled) - 1)
-            num_generation_tokens += len(new_token_ids)
             if new_token_ids:
-                if request.last_token_time is None:  # its first token: the prompt is done
-                    num_prompt_tokens_prefilled += request.num_prompt_tokens
-                else:
-                    inter_token_latencies_s.append(now - request.last_token_time)
-                request.last_token_time = now
+                tally.count_generated(request, len(new_token_ids), now)
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             finished = request.status > last_unfinished  # request.is_finished
             if not new_token_ids and not finished and prompt_logprobs is None:
@@ -592,12 +633,62 @@ class Scheduler:
             if finished:
                 self._dequeue(request, was_running)
                 self._free_request(request)
+        return self._step_outputs(scheduler_output, outputs, tally)
+
+    def _append_sampled(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append a request's sampled tokens (one, or its accepted drafts and one more)
+        up to the first that finishes it; returns the tokens appended. A grammar checks
+        each one (idle until `after_token_id` ends free reasoning).
+
+        Example: max_tokens 5 with 3 output tokens, sampled [7, 8, 9] -> 7 and 8 are
+        appended, 8 is the 5th output token: FINISHED_LENGTH; returns [7, 8].
+        """
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1
+        new_token_ids: list[int] = []
+        grammar = request.grammar
+        max_model_len = self.max_model_len
+        for token_id in sampled:
+            if grammar is not None and not grammar.active:
+                # Free reasoning: the grammar starts after its end token.
+                grammar.active = token_id == grammar.params.after_token_id
+            elif grammar is not None and not grammar.accept(token_id):
+                # Only a token the mask allowed can get here; end the output cleanly.
+                logger.warning("request %s: grammar rejected token %d; stopping",
+                               request.req_id, token_id)
+                request.status = RequestStatus.FINISHED_STOPPED
+                break
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            # Most tokens end nothing: the full stop rules run only for a token
+            # that may stop it or at a length limit.
+            if (token_id in request.stop_check_token_ids
+                    or len(request.output_token_ids) >= request.max_tokens
+                    or len(request.all_token_ids) >= max_model_len) and self._check_stop(
+                        request, token_id):
+                break
+            if grammar is not None and grammar.terminated:
+                request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
+                break
+        return new_token_ids
+
+    def _fail_request(self, request: Request, running: bool, error: str) -> EngineCoreOutput:
+        """Finish a request whose step failed in the runner; its error output."""
+        self._dequeue(request, running)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        return EngineCoreOutput(request.req_id, [], "error", error=error)
+
+    def _step_outputs(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
+                      tally: _StepTally) -> EngineCoreOutputs:
+        """The step's outputs with the scheduler's stats and the first-scheduled times
+        of the requests it started."""
         stats = self.make_stats()
         stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
-        stats.num_prompt_tokens = num_prompt_tokens
-        stats.num_generation_tokens = num_generation_tokens
-        stats.num_prompt_tokens_prefilled = num_prompt_tokens_prefilled
-        stats.inter_token_latencies_s = inter_token_latencies_s
+        stats.num_prompt_tokens = tally.num_prompt_tokens
+        stats.num_generation_tokens = tally.num_generation_tokens
+        stats.num_prompt_tokens_prefilled = tally.num_prompt_tokens_prefilled
+        stats.inter_token_latencies_s = tally.inter_token_latencies_s
         scheduled_times = {
             r.req_id: self._scheduled_times.pop(r.req_id)
             for r in scheduler_output.scheduled_new_reqs
@@ -676,22 +767,61 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
 
-class _Unscheduler:
-    """Takes a request preempted later in the same step back out of what the step
-    has scheduled so far (under the priority policy a victim may already be in it)."""
+@dataclass
+class _StepPlan:
+    """What one schedule() has decided so far; its phases fill it in."""
 
-    def __init__(self, scheduled_running: list[Request], num_scheduled_tokens: dict[str, int],
-                 new_block_ids: dict[str, list[int]], spec_tokens: dict[str, list[int]]):
-        self.scheduled_running = scheduled_running
-        self.num_scheduled_tokens = num_scheduled_tokens
-        self.new_block_ids = new_block_ids
-        self.spec_tokens = spec_tokens
+    token_budget: int  # tokens still free in this step
+    # req_id -> tokens this step: running requests first, then admitted ones in order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running ones' new blocks
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    scheduled_resumed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> its drafts
 
-    def take_back(self, victim: Request) -> int:
-        """Unschedule `victim` if the step scheduled it; returns the tokens freed."""
+    def add_running(self, request: Request, num_new_tokens: int,
+                    new_blocks: list[KVCacheBlock], drafts: list[int] | None) -> None:
+        """Schedule a running request's `num_new_tokens` (its drafts last) into its
+        `new_blocks` (group 0's; possibly none)."""
+        req_id = request.req_id
+        self.scheduled_running.append(request)
+        self.num_scheduled_tokens[req_id] = num_new_tokens
+        if drafts:
+            self.spec_tokens[req_id] = drafts
+        self.new_block_ids[req_id] = [b.block_id for b in new_blocks] if new_blocks else []
+        self.token_budget -= num_new_tokens
+
+    def take_back(self, victim: Request) -> bool:
+        """Unschedule `victim` if this step scheduled it as a running request, its
+        tokens back in the budget; whether it had."""
         if victim not in self.scheduled_running:
-            return 0
+            return False
         self.scheduled_running.remove(victim)
         self.new_block_ids.pop(victim.req_id)
         self.spec_tokens.pop(victim.req_id, None)
-        return self.num_scheduled_tokens.pop(victim.req_id)
+        self.token_budget += self.num_scheduled_tokens.pop(victim.req_id)
+        return True
+
+
+class _StepTally:
+    """The token counts update_from_output gathers for the step's stats."""
+
+    __slots__ = ("num_prompt_tokens", "num_generation_tokens", "num_prompt_tokens_prefilled",
+                 "inter_token_latencies_s")
+
+    def __init__(self) -> None:
+        self.num_prompt_tokens = 0  # prompt tokens computed in the step
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens_prefilled = 0  # whole prompts of requests that got a first token
+        self.inter_token_latencies_s: list[float] = []
+
+    def count_generated(self, request: Request, num_new_tokens: int, now: float) -> None:
+        """`request` got its next `num_new_tokens` (> 0) at `now` (time.time())."""
+        self.num_generation_tokens += num_new_tokens
+        if request.last_token_time is None:  # its first token: the prompt is done
+            self.num_prompt_tokens_prefilled += request.num_prompt_tokens
+        else:
+            self.inter_token_latencies_s.append(now - request.last_token_time)
+        request.last_token_time = now
