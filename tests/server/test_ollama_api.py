@@ -110,7 +110,9 @@ def test_tools_round_trip(client):
 
 def test_listings(client, server):
     [listed] = client.list().models
-    assert listed.model == MODEL + ":latest" and listed.size > 0 and len(listed.digest) == 64
+    # The echo model has a tokenizer and no weights (real files: tests/unit/server/
+    # test_ollama_listings.py).
+    assert listed.model == MODEL + ":latest" and listed.size == 0 and len(listed.digest) == 64
     shown = client.show(MODEL)
     assert {"completion", "tools", "thinking"} <= set(shown.capabilities)
     assert shown.modelinfo[f"{shown.details.family}.context_length"] == 512
@@ -162,3 +164,17 @@ def test_langchain_chat_ollama_tools(server):
     answer = chat.bind_tools([TOOL]).invoke("Sure. " + CALL)
     assert [(c["name"], c["args"]) for c in answer.tool_calls] == [("lookup", {"q": "tides"})]
     assert chat.invoke("plain words").content == "plain words"
+
+
+def test_a_body_without_a_json_content_type_is_read_as_json(server):
+    """`curl -d '{...}'` (application/x-www-form-urlencoded), as Ollama's docs write it."""
+    body = json.dumps({"model": MODEL, "stream": False, "messages": user("plain curl"),
+                       "options": GREEDY})
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": content_type} if content_type else {}
+        answer = httpx.post(server.url + "/api/chat", content=body, headers=headers, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["message"]["content"] == "plain curl"
+    answer = httpx.post(server.url + "/api/chat", content="not json",
+                        headers={"content-type": "application/x-www-form-urlencoded"})
+    assert answer.status_code == 400 and "error" in answer.json()
