@@ -112,15 +112,6 @@ class SchedulerStats:
 
 
 @dataclass
-class RequestTimes:
-    """Engine-side timestamps of one request (time.time()), for latency metrics."""
-
-    queued: float = 0.0
-    scheduled: float = 0.0  # first scheduled
-    first_token: float = 0.0
-
-
-@dataclass
 class EngineCoreOutputs:
     """Everything one engine-core step sends back to the frontend."""
 

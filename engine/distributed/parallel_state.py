@@ -28,10 +28,6 @@ class TensorParallelGroup:
     # parallel); False = every rank holds every expert's 1/size share of columns.
     expert_parallel: bool = False
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks (in place; returns x)."""
         if self.size > 1:
@@ -92,10 +88,3 @@ def set_tp_group_for_tests(rank: int, size: int, expert_parallel: bool = False) 
     """Build models as rank `rank` of `size` without a process group (shape tests only)."""
     global _GROUP
     _GROUP = TensorParallelGroup(rank, size, expert_parallel)
-
-
-def destroy_tensor_parallel() -> None:
-    global _GROUP
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _GROUP = TensorParallelGroup()

@@ -264,12 +264,9 @@ class AsyncEngine:
                                         priority, cache_salt, arrival_time)
         return RequestStream(self, state)
 
-    async def abort(self, req_id: str) -> None:
-        """Abort a request; its stream ends with finish_reason "abort". Unknown ids: no-op."""
-        self.abort_request(req_id)
-
     def abort_request(self, req_id: str) -> bool:
-        """`abort` without awaiting: True if the request was unfinished."""
+        """Abort a request; its stream ends with finish_reason "abort". Unknown or
+        finished ids: a no-op. True if the request was unfinished."""
         state = self._requests.get(req_id)
         if state is None:
             return False

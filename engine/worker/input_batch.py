@@ -92,10 +92,6 @@ class InputBatch:
             table[row, start : start + len(ids)] = ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
-
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_row)

@@ -222,11 +222,11 @@ def test_closing_the_stream_aborts(tokenizer):
             assert engine.num_unfinished_requests == 0
             core = engine.client._proc.core
             await until(lambda: not core.has_unfinished_requests(), "the core to drop it")
-            # abort() of a live request ends its stream with "abort". It is live: it has
-            # sent its first output, and 99 more steps of 10 ms are left.
+            # abort_request() of a live request ends its stream with "abort". It is
+            # live: it has sent its first output, and 99 more steps of 10 ms are left.
             stream = engine.generate("hello", greedy(100), "y")
             outputs = [await stream.__anext__()]
-            await engine.abort("y")
+            assert engine.abort_request("y")
             outputs += [output async for output in stream]
             assert outputs[-1].outputs[0].finish_reason == "abort"
         finally:
