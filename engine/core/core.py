@@ -46,21 +46,6 @@ from engine.xray_schema import XrayLimits, XraySnapshot
 logger = logging.getLogger(__name__)
 
 
-class StepFaultInjector:
-    """Test hook: `PAGEDSERVE_FAULT_STEPS=3,7` raises inside steps 3 and 7.
-
-    Unset (the normal case) it does nothing.
-    """
-
-    def __init__(self) -> None:
-        spec = os.environ.get("PAGEDSERVE_FAULT_STEPS", "")
-        self.steps = {int(s) for s in spec.split(",") if s.strip()}
-
-    def check(self, step_index: int) -> None:
-        if step_index in self.steps:
-            raise RuntimeError(f"injected fault in step {step_index} (PAGEDSERVE_FAULT_STEPS)")
-
-
 @dataclass
 class _StepInFlight:
     """A step handed to the worker thread (async scheduling), not yet applied."""
@@ -91,7 +76,6 @@ class EngineCore:
                                    kv_cache_groups=self.kv_cache_info.kv_cache_groups)
         self.num_steps = 0  # steps scheduled with work
         self.num_steps_applied = 0  # of those, steps whose results are applied
-        self._fault_injector = StepFaultInjector()
         self._in_flight: deque[_StepInFlight] = deque()
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step")
                         if scheduler_config.async_scheduling else None)
@@ -120,7 +104,7 @@ class EngineCore:
                     s.scheduler_output.scheduled_spec_decode_tokens for s in self._in_flight)):
                 return self._apply_oldest()
             if may_draft:
-                return self._step_sync(lambda output: self._submit(output, None).result())
+                return self._step_sync(lambda output: self._submit(output).result())
         return self._step_async()
 
     def _step_sync(self, execute_model: Callable[[SchedulerOutput], ModelRunnerOutput]
@@ -136,7 +120,6 @@ class EngineCore:
             return self.idle_outputs()
         self.num_steps += 1
         try:
-            self._fault_injector.check(self.num_steps)
             runner_output = execute_model(scheduler_output)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step %d failed; failing its requests", self.num_steps)
@@ -166,10 +149,10 @@ class EngineCore:
             self.num_steps += 1
             started_pipeline = not self._in_flight
             self._in_flight.append(_StepInFlight(
-                self.num_steps, scheduler_output, self._submit(scheduler_output, self.num_steps),
+                self.num_steps, scheduler_output, self._submit(scheduler_output),
                 scheduled_at))
         elif scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
-            self._submit(scheduler_output, None)  # the runner forgets them, in step order
+            self._submit(scheduler_output)  # the runner forgets them, in step order
         if started_pipeline or not self._in_flight:
             return self.idle_outputs()
         return self._apply_oldest()
@@ -185,15 +168,9 @@ class EngineCore:
             return self._fail_step(step.scheduler_output, f"{type(exc).__name__}: {exc}")
         return self._apply(step.index, step.scheduler_output, runner_output, step.scheduled_at)
 
-    def _submit(self, scheduler_output: SchedulerOutput,
-                index: int | None) -> Future[ModelRunnerOutput]:
+    def _submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Run a step on the worker thread (steps run one at a time, in order)."""
-        def run() -> ModelRunnerOutput:
-            if index is not None:
-                self._fault_injector.check(index)
-            return self.executor.execute_model(scheduler_output)
-
-        return self._worker.submit(run)
+        return self._worker.submit(self.executor.execute_model, scheduler_output)
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """No outputs, just the current stats (for an idle engine's heartbeat)."""

@@ -7,7 +7,10 @@ The fake executor ("echo" model) makes output predictable, so text-level behavio
 (UTF-8 splits, stop strings across tokens) can be asserted exactly:
   * greedy (temperature 0): output token k is prompt token k (cyclically);
   * sampled: a seeded `random.Random` over the non-special ids;
-  * a prompt containing `fail_token_id` fails that request in the "model step".
+  * a prompt containing `fail_token_id` fails that request in the "model step";
+  * `fault_steps` (e.g. {10}) raises inside those steps (counting steps with work, as
+    `EngineCore.num_steps` does): the whole step fails, as a fault in a real forward
+    pass would.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,6 +109,7 @@ class FakeExecutor:
         max_model_len: int | None = None,
         step_delay_s: float = 0.0,
         fail_token_id: int | None = None,
+        fault_steps: Collection[int] = (),
     ):
         self.config = config
         self.vocab_size = vocab_size
@@ -114,6 +118,8 @@ class FakeExecutor:
         self.max_model_len = max_model_len or config.model_config.max_model_len or 256
         self.step_delay_s = step_delay_s
         self.fail_token_id = fail_token_id
+        self.fault_steps = frozenset(fault_steps)
+        self.num_steps = 0  # steps with work, numbered from 1
         self.requests: dict[str, _FakeRequest] = {}
 
     def initialize(self) -> KVCacheInfo:
@@ -125,6 +131,10 @@ class FakeExecutor:
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not scheduler_output.is_empty:
+            self.num_steps += 1
+            if self.num_steps in self.fault_steps:
+                raise RuntimeError(f"injected fault in step {self.num_steps} (fault_steps)")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         for req_id in scheduler_output.finished_req_ids:

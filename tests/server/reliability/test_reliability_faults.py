@@ -4,7 +4,7 @@ engine-core process dies, /health turns 503 within a second, every waiting clien
 a 503 error instead of hanging, and the log says what happened.
 
 One server for the module (echo FakeExecutor, 20 ms steps, 4 running at most) whose
-core process injects a fault into its 10th step (PAGEDSERVE_FAULT_STEPS=10). The test
+executor, in the core process, raises inside its 10th step (`fault_steps`). The test
 order matters: the fault test is the first traffic, the kill test comes last.
 """
 
@@ -30,16 +30,8 @@ MAX_NUM_SEQS = 4
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tokenizer_dir = build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-    previous = os.environ.get("PAGEDSERVE_FAULT_STEPS")
-    os.environ["PAGEDSERVE_FAULT_STEPS"] = str(FAULT_STEP)  # read by the core process
-    try:
-        thread = start_server(tokenizer_dir, max_num_seqs=MAX_NUM_SEQS,
-                              executor_kwargs={"step_delay_s": 0.02})
-    finally:
-        if previous is None:
-            del os.environ["PAGEDSERVE_FAULT_STEPS"]
-        else:
-            os.environ["PAGEDSERVE_FAULT_STEPS"] = previous
+    thread = start_server(tokenizer_dir, max_num_seqs=MAX_NUM_SEQS,
+                          executor_kwargs={"step_delay_s": 0.02, "fault_steps": [FAULT_STEP]})
     yield thread
     thread.stop()
 
