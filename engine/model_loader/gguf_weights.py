@@ -70,12 +70,15 @@ class GGUFLoadReport:
     dense_tensors: int = 0
     packed_bytes: int = 0  # bytes the packed linears and tables hold
 
-    def summary(self) -> str:
-        def kinds(counter: Counter) -> str:
-            return ", ".join(f"{n} {t}" for t, n in sorted(counter.items())) or "none"
+    def formats(self) -> str:
+        """Example: "210 Q4_1 repacked, 1 Q8_0 repacked, 3 Q6_K as they are, 61 dense"."""
+        parts = [f"{n} {t} as they are" for t, n in sorted(self.packed_types.items())]
+        parts += [f"{n} {t} repacked" for t, n in sorted(self.repacked_types.items())]
+        parts.append(f"{self.dense_tensors} dense tensors")
+        return ", ".join(parts)
 
-        return (f"GGUF {self.path.name}: in place {kinds(self.packed_types)}; repacked "
-                f"{kinds(self.repacked_types)}; {self.dense_tensors} dense tensors; "
+    def summary(self) -> str:
+        return (f"GGUF {self.path.name}: {self.formats()}; "
                 f"{self.packed_bytes / 2**20:.1f} MiB of packed weights")
 
 

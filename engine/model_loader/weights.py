@@ -132,18 +132,42 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
                         gguf_file.name, dtype, why)
         with torch.device(device):
             model.gguf_report = load_gguf_weights(model, gguf_file, pack, dtype)
-        logger.info("%s", model.gguf_report.summary())
     else:
         model.load_weights(iter_safetensors_slices(model_dir))
     model.eval().requires_grad_(False)
     report: QuantizationReport = quantize_model(model, quantization, device, dtype=dtype)
     model.quantization_report = report
     _return_freed_memory()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("loaded %s (%s, %s) from %s in %.1f s: %.1f MiB of dense weights; %s",
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s (%s, %s) from %s in %.1f s: %s",
                 model_class.__name__, dtype, torch.device(device), gguf_file or model_dir,
-                time.perf_counter() - start, weight_bytes / 2**20, report.summary())
+                time.perf_counter() - start,
+                load_summary(getattr(model, "gguf_report", None), report, dense_bytes, device))
     return model
+
+
+def load_summary(gguf_report, report: QuantizationReport, dense_bytes: int,
+                 device: torch.device | str) -> str:
+    """What was loaded and how, in one line that never contradicts itself.
+
+    Example: "GGUF in place: 210 Q4_1 -> int4, 1 Q8_0 -> int8 (92.0 MiB packed), 0.1 MiB
+    dense; linears on the packed kernels (avx512)"
+    """
+    packed_bytes = report.quantized_bytes
+    parts = []
+    if gguf_report is not None:
+        parts.append("GGUF in place: " + gguf_report.formats())
+        packed_bytes += gguf_report.packed_bytes
+    elif report.specs:
+        parts.append(report.summary())
+    where = torch.device(device).type
+    if packed_bytes:
+        kernels = f"the packed kernels ({cpu_info.vector_isa()})" if where == "cpu" else "packed kernels"
+        parts.append(f"{packed_bytes / 2**20:.1f} MiB packed, {dense_bytes / 2**20:.1f} MiB "
+                     f"dense; linears on {kernels}")
+    else:
+        parts.append(f"{dense_bytes / 2**20:.1f} MiB of dense weights; all linears dense")
+    return "; ".join(parts)
 
 
 def _return_freed_memory() -> None:
