@@ -12,7 +12,6 @@ request head/body size limits (431/413), catch-all (500 error object), then the 
 from __future__ import annotations
 
 import hmac
-from importlib import metadata
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,16 +33,10 @@ from server.common.protocol import (
     VersionResponse,
 )
 from server.common.state import ServerState
+from server.common.version import package_version
 from server.http.access_log import AccessLogMiddleware
 from server.http.body_limit import RequestSizeLimit
 from server.http.xray import install_xray_routes
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("pagedserve")
-    except metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:

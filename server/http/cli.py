@@ -29,6 +29,7 @@ from engine.config import (
 )
 from server.chat.reasoning import REASONING_PARSERS
 from server.chat.tool_parsers import TOOL_CALL_PARSERS
+from server.common.version import package_version
 
 ENV_PREFIX = "PAGEDSERVE_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -302,6 +303,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
 def _build_cli_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="pagedserve: an OpenAI-compatible LLM server.")
+    parser.add_argument("--version", action="version",
+                        version=f"pagedserve {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser("serve", help="Run the OpenAI-compatible HTTP server.",
                                 description="Run the OpenAI-compatible HTTP server.")
