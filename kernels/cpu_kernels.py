@@ -20,7 +20,7 @@ parallel; `make venv` builds it, `python -m kernels.cpu_kernels` too) into
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
 there afterwards. Where it cannot be built, `paged_attention_kernel()` returns None
 and the backend keeps the torch path. `PAGEDSERVE_CPU_KERNELS=0` turns it off.
-Its reference is `kernels.reference`.
+What each kernel is tested against: the table in `kernels/__init__.py`.
 """
 
 from __future__ import annotations

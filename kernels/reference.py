@@ -1,7 +1,17 @@
-"""Pure-torch reference implementations of the paged-KV-cache kernels.
+"""Pure-torch reference implementations of the paged-KV-cache and quantized-linear kernels.
 
-These are the ground truth the Triton kernels are tested against. They favour clarity over
-speed: plain indexing and a per-request loop, fp32 maths. They need only torch (no triton).
+The ground truth that the Triton kernels (``reshape_and_cache``, ``paged_attention``), the
+C++ paged-attention kernel (``kernels/cpu/paged_attention.cpp``) and the C++ int4/int8
+linears (``quant_linear.cpp``, ``quant_blocked.cpp``: ``quant_linear_ref``) are tested
+against. They favour clarity over speed: plain indexing and a per-request loop, fp32 maths.
+They need only torch (no triton, no compiler).
+
+The other C++ kernels have their references elsewhere, because one already exists: the GGUF
+linears (``gguf_linear.cpp``) are checked against gguf-py's ``dequantize`` and a float64
+matmul (tests/test_gguf_kernels.py); the fused small ops (``fused_ops.cpp``) against the torch
+paths of the modules they replace, e.g. ``RMSNorm.forward_torch`` (tests/engine/test_fused_ops.py);
+the decoder stack (``decoder_stack.cpp``) against the Python decoder layers, bit for bit
+(tests/test_fused_decoder.py).
 
 Layouts (shared with ``kernels.reshape_and_cache`` and ``kernels.paged_attention``)::
 

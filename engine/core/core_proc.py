@@ -66,9 +66,9 @@ _EMPTY_STEP_WAIT_S = 0.005
 # once ran at nice +5 to keep /health fast during long prefills; but then any other
 # busy process on the machine -- a client, a sidecar, a test -- starved the compute
 # thread sharing its core, and since every parallel region waits for its slowest
-# thread, one greedy request ran 20x slower. The core's threads follow the CPUs it
-# may use (`configure_compute_threads`) and sleep at barriers (OMP_WAIT_POLICY,
-# set by the frontend in engine/frontend/core_client.py).
+# thread, a greedy request ran many times slower (docs/performance.md). The core's
+# threads follow the CPUs it may use (`configure_compute_threads`) and sleep at
+# barriers (OMP_WAIT_POLICY, set by the frontend in engine/frontend/core_client.py).
 
 
 def configure_compute_threads(requested: int | None = None) -> int:
@@ -94,8 +94,8 @@ def build_engine_core(config: EngineConfig, executor_spec: ExecutorSpec | None) 
 def freeze_startup_heap() -> None:
     """Move every object alive after start-up (torch, transformers, the model's modules:
     ~200k tracked objects) out of the garbage collector's reach, as vLLM's core does.
-    Otherwise each full collection walks them all: measured with benchmarks.engine_overhead
-    (256 decodes), one collection per ~120 steps that held a step for 160-170 ms. The
+    Otherwise each full collection walks them all and holds that step for a long stall
+    (benchmarks.engine_overhead at 256 decodes; the figures: docs/performance.md). The
     process exits with os._exit, so nothing is unfrozen."""
     gc.collect()
     gc.freeze()

@@ -93,9 +93,9 @@ def spawn_core_process(target, args: tuple) -> multiprocessing.process.BaseProce
     # The child reads OpenMP's settings from the environment when torch loads.
     # PASSIVE: a compute thread that waits at a barrier sleeps instead of spinning.
     # With another busy process on the machine (a client, a sidecar, a test), a
-    # spinning waiter takes the CPU its partner needs to finish the region: one
-    # request measured >350 s instead of 8.6 s with one hog on 2 cores (59 ms vs
-    # 55-57 ms per token on an idle machine). A value the user set is kept.
+    # spinning waiter takes the CPU its partner needs to finish the region, and a
+    # request can take many times longer (docs/performance.md, "Figures behind choices
+    # in the code"). A value the user set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     process = spawn.Process(target=target, args=args, name="EngineCore")
     process.start()

@@ -478,7 +478,7 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     # The concrete fast class skips AutoTokenizer's config probe, which would
-    # parse the whole GGUF again (~8 s for a 49k vocabulary).
+    # parse the whole GGUF again, seconds for a large vocabulary (docs/performance.md).
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent),

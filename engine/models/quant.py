@@ -64,30 +64,21 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
     native_bf16 = cpu_info.native_bf16_reason() is not None
     float32_tiles = not native_bf16 if dtype is None else dtype == torch.float32
     avx512 = cpu_info.vector_isa() == "avx512"
+    # Each limit is the measured crossover of that case (the figures: docs/performance.md,
+    # "Figures behind choices in the code"; full tables in docs/cpu-kernels.md).
     if kind in ("int4-blocked", "int8-blocked") and avx512 and float32_tiles:
-        # float32 tiles (2026-12-02, Xeon avx512_vnni, `--dtype float32`), ms per layer
-        # few-row / tiled: int4 128 rows 65.0 / 101.5, 256: 119.7 / 149.9, 512: 215.7 /
-        # 458.1, 1024: 612.8 / 472.0; int8 128: 53.0 / 76.1, 512: 209.9 / 255.7, 1024:
-        # 559.8 / 582.4.
+        # float32 tiles cost the tiled path most: the blocked kernels keep 512 rows.
         return 512
     if kind == "int4-blocked" and avx512:
-        # Blocked int4 (kernels/cpu/quant_blocked.cpp), bfloat16 tiles, ms per layer
-        # few-row / tiled: 8 rows 7.1 / 50.0, 32: 23.6 / 54.4, 64: 36.8 / 60.4.
+        # Blocked int4 (kernels/cpu/quant_blocked.cpp), bfloat16 tiles.
         return 64
     if kind == "int8-blocked" and avx512:
-        # Blocked int8, bfloat16 tiles, ms few-row / tiled (2026-12-02, Xeon avx512_vnni):
-        # 1B layer 16 rows 11.1 / 23.1, 32: 24.0 / 25.3, 48: 35.2 / 29.3; SmolLM2's
-        # lm_head (49152 x 576) 32 rows 8.0 / 9.6, 64: 16.9 / 11.5.
+        # Blocked int8, bfloat16 tiles (a 1B layer and SmolLM2's lm_head agree).
         return 32
     if float32_tiles or not native_bf16:
-        # float32 tiles, or 16-bit ones whose matmuls this CPU emulates (AVX-512, 2
-        # threads): Q4_K 47.5 vs 46.8 ms at 32 rows (2026-12-02, Xeon: 30.7 / 41.9 at 32,
-        # 65.5 / 53.4 at 64); int4 39.6 vs 51.7 ms. (AVX2-only EPYC, int4: 144.5 ms vs a
-        # float32 matmul's 242.5 at 32.)
+        # float32 tiles, or 16-bit ones whose matmuls this CPU emulates.
         return 32
-    # bfloat16 tiles (oneDNN; this VM's AMX is unusable), ms per layer few-row / tiled: Q4_K 8 rows 14.7 / 12.3,
-    # Q6_K 8: 13.1 / 14.2; int4 8: 15.1 / 19.7, 16: 28.2 / 18.3; int8 8: 13.0 / 18.5,
-    # 16: 27.9 / 17.1.
+    # bfloat16 tiles on native bf16 (oneDNN) multiply cheaply: the crossover comes early.
     return 8 if kind == "gguf" else 12
 
 

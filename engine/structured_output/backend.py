@@ -1,11 +1,10 @@
 """The grammar library behind structured outputs: xgrammar, wrapped.
 
-Why xgrammar (0.2.8) rather than llguidance (1.9.1), measured on this project's CPU with
-SmolLM2's 49k vocab and a 5-field nested schema: filling one row's next-token bitmask
-takes ~11 us on average with xgrammar vs ~120 us with llguidance, and applying a
-32-row mask to the logits ~35 us; compiling that schema takes ~12 ms. llguidance
-installs smaller (7.6 MB, no dependencies) but its per-step cost grows faster with the
-batch. xgrammar's native calls release the GIL, so compiles run beside the step loop.
+Why xgrammar (0.2.8) rather than llguidance (1.9.1): filling a row's next-token bitmask
+costs an order of magnitude less with xgrammar on SmolLM2's vocabulary, and llguidance's
+per-step cost grows faster with the batch, though it installs smaller (the figures:
+docs/performance.md, "Figures behind choices in the code"). xgrammar's native calls
+release the GIL, so compiles run beside the step loop.
 
 `build_grammar` is tokenizer-free; `GrammarBackend`
 compiles for one tokenizer and makes per-request matchers.

@@ -1,7 +1,8 @@
 // The Python module of the C++ CPU kernels (one extension, built once per CPU).
 
 // pybind.h (not torch/extension.h) is all a module of at::Tensor functions needs; the
-// kernel files include only ATen/core/Tensor.h: each file then compiles in ~15 s, not ~60.
+// kernel files include only ATen/core/Tensor.h: each file then compiles in a fraction of
+// the time torch/extension.h costs (docs/performance.md).
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 

@@ -4,9 +4,8 @@
 // quant_linear.cpp's layouts keep each output row's groups together, so a row of x
 // against one group is one integer dot over 32 weights, and turning that dot's vector of
 // partial sums into a float costs a convert and an FMA per (row of x, output row, group):
-// with 8 rows of x that post-processing, not the multiply-adds, bounded the kernel (a 1B
-// Llama layer at 8 rows, int4: 15 ms against 3.4 ms at one row; SmolLM2's int8 lm_head:
-// 7.6 ms at 8 rows against 2.1 at one). Here the vector lanes are 16 output rows
+// with 8 rows of x that post-processing, not the multiply-adds, bounded the kernel (8 rows
+// cost several times one row: docs/performance.md). Here the vector lanes are 16 output rows
 // instead: one multiply-add takes two weights of each of 16 output rows against one
 // broadcast pair of x's values, so after a group's 16 multiply-adds each lane holds its
 // output row's whole group dot and one convert + FMA scales 16 of them.

@@ -287,12 +287,11 @@ void check_common(const at::Tensor& x, const at::Tensor& scales, int64_t num_out
 }
 
 // int4 batches of up to kPairsMaxRows rows take dot_rows_int4 (AVX2). Larger ones and int8
-// take dot_8rows for each full block of 8 rows (AVX2; linear_chain, int4, ABBA x3 on a
-// noisy VM: 8 rows 36.0 vs 39.5 ms, 32 rows 147 vs 162 ms against dot_rows alone) and the
-// per-group loop (dot_rows, each weight group decoded once for kRowBlock rows) for the rest.
-// Why dot_rows_int4 stops at one row: it keeps 4 pairs' sums per row in registers, and
-// with more than 2 rows they spill (measured, one thread, SmolLM2's linears: 1 row 13.8 vs
-// 16.0 ms; 2 rows 20.1 vs 20.1; 4 rows 43.8 vs 31.8 ms).
+// take dot_8rows for each full block of 8 rows (AVX2; faster than dot_rows alone at 8 and
+// 32 rows) and the per-group loop (dot_rows, each weight group decoded once for kRowBlock
+// rows) for the rest. Why dot_rows_int4 stops at one row: it keeps 4 pairs' sums per row
+// in registers, and with more than 2 rows they spill (it ties at 2 rows and loses at 4).
+// The figures: docs/performance.md, "Figures behind choices in the code".
 constexpr int64_t kPairsMaxRows = 1;
 // --batch-invariant: every row takes dot_rows (the same arithmetic whatever the batch).
 std::atomic<bool> g_batch_invariant{false};
@@ -320,8 +319,7 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
     // One 8-row block at a time over a tile of kTileOut output rows: the block's
     // activations (8 x K int16) stay in L1 while the tile's weight rows pass, where an
     // output row at a time would stream every row's activations from L2 per output row
-    // (linear_chain, 32 rows, int4: 136 vs 155 ms, int8: 107 vs 121 ms, means of 5 and 7
-    // interleaved runs on a noisy VM; 8 rows within noise).
+    // (faster at 32 rows, within noise at 8: docs/performance.md).
     for (int64_t tile = begin; tile < end; tile += kTileOut) {
       const int64_t tile_end = std::min(end, tile + kTileOut);
       for (int64_t m0 = 0; m0 < blocked_rows; m0 += 8)

@@ -2,20 +2,21 @@
 //
 // Why not at::parallel_for (OpenMP): the engine core runs OpenMP with OMP_WAIT_POLICY=PASSIVE,
 // so that its idle threads never steal the CPU from the HTTP frontend or a neighbour (with
-// spinning OpenMP threads a 32-client load ran ~10x slower). But then every parallel region
-// wakes the other thread from a futex, ~30 us, and a one-client decode step runs ~150
-// regions: int4 linear chain 14.1 ms with PASSIVE against 9.9 ms with ACTIVE (2 cores).
-// This pool's workers spin for 100 us after their last job -- long enough to bridge
-// the Python between two kernels of one forward pass, short enough that an idle engine
-// sleeps -- and then wait on a futex (C++20 atomic wait). PAGEDSERVE_SPIN_US (read once
-// per process) sets that time; 0 makes the workers sleep at once, as PASSIVE OpenMP does.
+// spinning OpenMP threads a many-client load ran several times slower). But then every
+// parallel region wakes the other thread from a futex, and a one-client decode step runs
+// ~150 regions: those wake-ups cost a large share of the step (the figures:
+// docs/performance.md, "Figures behind choices in the code"). This pool's workers spin
+// for 100 us after their last job -- long enough to bridge the Python between two
+// kernels of one forward pass, short enough that an idle engine sleeps -- and then wait
+// on a futex (C++20 atomic wait). PAGEDSERVE_SPIN_US (read once per process) sets that
+// time; 0 makes the workers sleep at once, as PASSIVE OpenMP does.
 //
 // Work is claimed, not assigned: a job is cut into a few chunks per thread and the caller
 // and the workers take chunks one at a time until none are left. The caller waits only
 // for chunks a worker has already taken. So when another process holds the other core and
 // a worker is not running, the caller does the whole job itself instead of waiting for the
-// worker to be scheduled (with fixed shares a 1-row attention call took 243 us instead of
-// 7 us beside a busy process).
+// worker to be scheduled (with fixed shares a small call beside a busy process waited for
+// the descheduled worker, dozens of times its own work).
 //
 // Contract: parallel_for(begin, end, grain, fn) calls fn(b, e) on disjoint ranges of at
 // least `grain` items (but the last) covering [begin, end), possibly several per thread,

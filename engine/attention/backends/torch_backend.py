@@ -1,4 +1,7 @@
-"""The torch attention backend: the CPU default and the reference for the others.
+"""The torch attention backend: the CPU default (on CUDA: a fallback beside flash_attn
+and triton). Despite its name, most of its CPU work runs in C++ (below); the ground truth
+all attention paths are tested against is `kernels.reference.paged_attention_ref`
+(tests/test_kernels.py, tests/test_sliding_window_kernels.py, tests/test_softcap_kernels.py).
 
 Its cache is head-major, one tensor per layer:
 
@@ -14,10 +17,9 @@ e.g. the suffix after a prefix-cache hit) run in one call of the C++ kernel in
 or float16, when it builds); otherwise decodes run as batched SDPAs over their gathered
 blocks, in groups of similar length. Longer prompt chunks run their own SDPA with a
 causal mask offset by their cached context: SDPA's blocked kernel beats the per-row
-kernel there, and the gather is then a small share of the work (2 cores, 9x3 heads of
-64: a 512-token chunk over 1,000 cached tokens 57 ms with SDPA vs 107 ms in the
-kernel; 32 tokens over 1,000: 9.7 ms vs 5.3 ms; one thread, `_prefill` against the
-kernel on the same random cache).
+kernel there, and the gather is then a small share of the work; for short chunks the
+kernel wins (the figures behind KERNEL_MAX_CHUNK: docs/performance.md, "Figures behind
+choices in the code").
 """
 
 from __future__ import annotations
