@@ -3,26 +3,23 @@
 * C++ (``kernels/cpu/``, most of the code: ~3.2k lines), one extension built on first use
   by ``kernels.cpu_kernels``: paged attention, the int4/int8 and GGUF linears, the small
   fused ops between the matmuls, and a dense decoder's whole layer stack.
-* Triton (this package, ~0.4k lines), for the CUDA ``triton`` attention backend:
-  ``reshape_and_cache`` scatters this step's new K/V into the paged cache;
-  ``paged_attention`` is causal attention of a mixed prefill/decode batch over it.
+* Triton (this package, ~0.4k lines), for the CUDA attention backends:
+  ``reshape_and_cache`` scatters this step's new K/V into the paged cache (``triton`` and
+  ``flash_attn``); ``paged_attention`` is causal attention of a mixed prefill/decode batch
+  over it (``triton``).
 
-What each is tested against (its reference) and where::
+What each is tested against (its reference), and where:
 
-    kernel                                  reference                           test
-    Triton reshape_and_cache, paged_attn.   kernels.reference (torch)           tests/test_kernels.py
-    C++ paged_attention.cpp                 kernels.reference.paged_attention_ref
-                                              tests/test_kernels.py, test_paged_attention_isa.py,
-                                              test_sliding_window_kernels.py, test_softcap_kernels.py
-    C++ quant_linear.cpp, quant_blocked.cpp kernels.reference.quant_linear_ref  tests/test_quant.py,
-                                                                                test_int4_blocked_isa.py
-    C++ gguf_linear.cpp                     gguf-py's dequantize + a float64 matmul
-                                                                                tests/test_gguf_kernels.py
-    C++ fused_ops.cpp                       the torch paths of the modules they replace
-                                            (RMSNorm, rotary, SiluAndMul, the KV-cache write)
-                                                                                tests/engine/test_fused_ops.py
-    C++ decoder_stack.cpp                   the Python decoder layers, bit for bit
-                                                                                tests/test_fused_decoder.py
+* Triton ``reshape_and_cache``, ``paged_attention``: ``kernels.reference`` (torch);
+  tests/test_kernels.py (under the Triton interpreter without CUDA).
+* C++ ``paged_attention.cpp``: ``kernels.reference.paged_attention_ref``; tests/test_kernels.py,
+  test_paged_attention_isa.py, test_sliding_window_kernels.py, test_softcap_kernels.py.
+* C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``kernels.reference.quant_linear_ref``;
+  tests/test_quant.py, test_int4_blocked_isa.py.
+* C++ ``gguf_linear.cpp``: gguf-py's ``dequantize`` and a float64 matmul; tests/test_gguf_kernels.py.
+* C++ ``fused_ops.cpp``: the torch paths of the modules they replace (RMSNorm, rotary,
+  SiluAndMul, the KV-cache write); tests/engine/test_fused_ops.py.
+* C++ ``decoder_stack.cpp``: the Python decoder layers, bit for bit; tests/test_fused_decoder.py.
 
 Triton is imported lazily, on the first kernel launch, so ``import kernels``, the C++ kernels
 and the torch references work on machines without triton.
