@@ -2,27 +2,189 @@
 
 Values discovered at start-up (like the number of KV blocks) are returned by the
 code that finds them, never written back here.
+
+Every option a user sets is declared once, on its field, with `option(...)`: its default,
+its help, its flag and the group `pagedserve serve --help` lists it in. From those
+declarations the CLI builds its flags (server/http/cli.py), `LLM(**options)` takes the same
+names and defaults (engine/frontend/llm.py), and `EngineConfig.from_options` builds the
+config for both:
+
+    max_num_seqs: int = option(128, "--max-num-seqs", "Most sequences running in one step.",
+                               group="scheduler", type=positive_int)
+        -> flag --max-num-seqs (env PAGEDSERVE_MAX_NUM_SEQS), keyword LLM(max_num_seqs=...),
+           EngineConfig.from_options(model, max_num_seqs=64).scheduler_config.max_num_seqs
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+
+# The groups of `pagedserve serve --help`, in its order.
+OPTION_GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "server", "limits",
+                 "observability")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a config field is set from outside: its flag, help text and --help group.
+
+    `flag` None: a keyword of `LLM` only (no flag). `type` parses the flag's text (and
+    its environment variable's); `LLM` runs a string value through it too. A field whose
+    default is a bool is a switch (`--flag`; with `negatable` also `--no-flag`).
+    `default_text`: how --help shows the default, where str() would not say it (bytes)."""
+
+    help: str
+    group: str
+    flag: str | None = None
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    negatable: bool = False
+    default_text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.group not in OPTION_GROUPS:
+            raise ValueError(f"option group {self.group!r} is not one of {OPTION_GROUPS}")
+
+
+def option(default: Any, flag: str | None, help: str, *, group: str,
+           default_factory: Callable[[], Any] | None = None, **how: Any) -> Any:
+    """A dataclass field with its default (or `default_factory`) and its `Option` (see
+    the module doc)."""
+    metadata = {"option": Option(help=help, group=group, flag=flag, **how)}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class Declared(NamedTuple):
+    """One declared option of a config class."""
+
+    name: str  # the CLI's dest and LLM's keyword: the flag without "--", "-" -> "_"
+    field: str  # the dataclass field it sets (e.g. name "scheduling_policy", field "policy")
+    default: Any  # the field's default (None where it is a factory's)
+    option: Option
+
+
+def declared_options(cls: type) -> list[Declared]:
+    """The options declared on `cls`'s fields, in field order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        name = opt.flag.removeprefix("--").replace("-", "_") if opt.flag else f.name
+        default = None if f.default is dataclasses.MISSING else f.default
+        out.append(Declared(name, f.name, default, opt))
+    return out
+
+
+def from_options(cls: type, values: Mapping[str, Any], options: list[Declared] | None = None,
+                 **fields: Any) -> Any:
+    """`cls(**fields)` with each declared option (by name) set from `values`; an option
+    absent or None there keeps its field's default. A string for an option whose type is
+    not str is parsed like the flag's text ("2G" for kv_cache_memory)."""
+    for declared in declared_options(cls) if options is None else options:
+        value = values.get(declared.name)
+        if value is None:
+            continue
+        if isinstance(value, str) and declared.option.type is not str:
+            value = declared.option.type(value)
+        fields[declared.field] = value
+    return cls(**fields)
+
+
+# ------------------------------------------------------------------ flag value parsers
+# Each takes the flag's text; argparse reports an ArgumentTypeError's message as the
+# flag's error (and a ValueError as "invalid <name> value").
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """A byte count with an optional K/M/G/T suffix (parse_size)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = seconds(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
+def speculative_config_json(text: str) -> SpeculativeConfig:
+    """vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # a local HF directory, a .gguf file, or a hub id
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto | none | int8 | int4 (engine.model_loader.quantize)
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs
-    batch_invariant: bool = False  # a row's result independent of its batch (engine.batch_invariant)
+    model: str  # a local HF directory, a .gguf file, or a hub id (the CLI's --model)
+    served_model_name: str | None = None  # the CLI's --served-model-name (its first name)
+    dtype: str = option(
+        "auto", "--dtype", "Activation and dense-weight dtype; 'auto' on CPU picks bfloat16 "
+        "where the CPU has native bf16 (avx512_bf16/AMX) and float32 elsewhere; on CUDA it "
+        "follows the checkpoint.", group="model",
+        choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = option(  # engine.model_loader.quantize
+        "auto", "--quantization", "Weight-only quantization of the linears on CPU: 'auto' "
+        "serves a GGUF file's tensors in their own formats, read in place (Q4_K, Q6_K, ... as "
+        "stored; Q4_0/Q4_1/Q8_0 as exact int4/int8), and other checkpoints dense; 'int8' or "
+        "'int4' quantize any checkpoint at load (groups of 32 columns); 'none' keeps (or, for "
+        "a GGUF file, dequantizes) every linear dense.", group="model",
+        choices=("auto", "none", "int8", "int4"))
+    max_model_len: int | None = option(
+        None, "--max-model-len", "Context length (prompt + output tokens). Default: the "
+        "model's.", group="model", type=positive_int)
+    seed: int = option(0, "--seed", "Random seed of the engine (requests without a seed).",
+                       group="model", type=int)
+    enforce_eager: bool = option(
+        False, "--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
+        "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
+        "--max-num-seqs.", group="model")
+    batch_invariant: bool = option(  # engine.batch_invariant
+        False, "--batch-invariant", "Make each request's tokens and logprobs independent of "
+        "the requests batched with it (quantized linears and attention take their per-row "
+        "kernels for every batch; see README for what it costs).", group="model")
 
 
 # --kv-cache-dtype's choices: "auto" = the model's compute dtype.
@@ -31,26 +193,49 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "--block-size", "Tokens per KV-cache block.", group="cache",
+                             type=positive_int)
+    enable_prefix_caching: bool = option(
+        True, "--enable-prefix-caching", "Reuse the KV cache of shared prompt prefixes "
+        "(default: on).", group="cache", negatable=True)
     prefix_caching_hash_algo: Literal["sha256", "xxhash"] = "sha256"
-    kv_cache_memory_bytes: int | None = None  # CPU: bytes for KV; None = a share of free RAM
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory we may use
-    num_gpu_blocks_override: int | None = None  # tests: force a small pool
+    kv_cache_memory_bytes: int | None = option(  # CPU; None = a share of free RAM
+        None, "--kv-cache-memory", "Bytes for the KV cache on CPU, with an optional K/M/G "
+        "suffix (e.g. 2G). Default: a share of free memory.", group="cache", type=byte_size)
+    gpu_memory_utilization: float = option(
+        0.9, "--gpu-memory-utilization", "Fraction of GPU memory this server may use "
+        "(weights, activations and KV cache).", group="cache", type=fraction)
+    num_gpu_blocks_override: int | None = option(
+        None, "--num-gpu-blocks-override", "Use exactly this many KV-cache blocks (testing).",
+        group="cache", type=positive_int)
     # KV cache element type: "auto" = the model's compute dtype; on CPU also "float16" or
     # "bfloat16" under a float32 model (half the bytes per token read by attention).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = option(
+        "auto", "--kv-cache-dtype", "Element type of the KV cache: auto = the model's dtype; "
+        "on CPU float16 or bfloat16 under a float32 model halve the bytes attention reads per "
+        "token (and double the tokens a --kv-cache-memory holds), at that rounding of keys "
+        "and values.", group="cache", choices=KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: SchedulingPolicy = "fcfs"
+    max_num_seqs: int = option(128, "--max-num-seqs", "Most sequences running in one step.",
+                               group="scheduler", type=positive_int)
+    max_num_batched_tokens: int = option(
+        2048, "--max-num-batched-tokens", "Most tokens computed in one step (longer prompts "
+        "are prefilled in chunks).", group="scheduler", type=positive_int)
+    enable_chunked_prefill: bool = option(
+        True, None, "Prefill a prompt longer than the step's token budget over several "
+        "steps.", group="scheduler")
+    policy: SchedulingPolicy = option(
+        "fcfs", "--scheduling-policy", "'fcfs' (arrival order) or 'priority' (the request's "
+        "'priority' field, lower first).", group="scheduler", choices=("fcfs", "priority"))
     # Schedule step N+1 while step N runs (engine/core/core.py): the engine's own work
     # then hides behind the model's instead of adding to it.
-    async_scheduling: bool = False
+    async_scheduling: bool = option(
+        False, "--async-scheduling", "Schedule the next step while the current one runs, so "
+        "the engine's own work (scheduling, outputs) overlaps the model instead of adding "
+        "to it.", group="scheduler")
     max_model_len: int = 2048  # resolved from ModelConfig at start-up
 
 
@@ -60,23 +245,53 @@ class ParallelConfig:
     `nnodes` hosts, this one `node_rank` (0 runs the server), all joining the process
     group at master_addr:master_port (None on one node: a free port)."""
 
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
+    tensor_parallel_size: int = option(
+        1, "--tensor-parallel-size", "Split the model over this many worker processes (one "
+        "per GPU on CUDA; on CPU each gets an equal share of the cores), over "
+        "torch.distributed (NCCL on CUDA, gloo on CPU). The attention heads, KV heads (or "
+        "ranks, when fewer KV heads), intermediate and MoE intermediate sizes must divide "
+        "evenly.", group="parallel", type=positive_int)
+    nnodes: int = option(
+        1, "--nnodes", "Hosts the tensor-parallel ranks span (torchrun's meaning); each runs "
+        "tensor-parallel-size / nnodes ranks.", group="parallel", type=positive_int)
+    node_rank: int = option(
+        0, "--node-rank", "This host's index among --nnodes: 0 runs the HTTP server and the "
+        "engine core, the others only worker ranks.", group="parallel", type=int)
+    master_addr: str = option(
+        "127.0.0.1", "--master-addr", "Address of node 0, where the ranks meet "
+        "(torch.distributed's store; the engine core's control socket is on --master-port + "
+        "1).", group="parallel")
+    master_port: int | None = option(
+        None, "--master-port", "Port of the process group's store on node 0. Default on one "
+        "node: a free port; required with --nnodes > 1.", group="parallel", type=positive_int)
     # MoE experts: whole experts split over the ranks instead of every expert's columns.
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = option(
+        False, "--enable-expert-parallel", "MoE models with --tensor-parallel-size > 1: each "
+        "rank holds whole experts, an equal share of them (expert parallel), instead of every "
+        "expert's share of columns (tensor parallel). The number of experts must divide.",
+        group="parallel")
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | flash_attn | triton
-    cpu_threads: int | None = None  # CPU compute threads; None = the CPUs we may use
+    device: str = option("auto", "--device", "Where the model runs.", group="model",
+                         choices=("auto", "cpu", "cuda"))
+    attention_backend: str = option(
+        "auto", "--attention-backend", "Attention implementation: 'auto' is torch on CPU and, "
+        "on CUDA, triton (any power-of-two --block-size from 16) or flash_attn where it is "
+        "installed and --block-size is a multiple of 256.", group="model",
+        choices=("auto", "torch", "flash_attn", "triton"))
+    cpu_threads: int | None = option(  # None = the CPUs we may use
+        None, "--cpu-threads", "CPU compute threads of the engine. Default: one per CPU this "
+        "process may use (its affinity, capped by a container's CPU quota).",
+        group="parallel", type=positive_int)
     # shared: the engine core computes on every CPU we may use; split: one CPU is kept
     # for the HTTP frontend and the core is pinned to the rest (vLLM's CPU layout).
-    cpu_layout: str = "shared"
+    cpu_layout: str = option(
+        "shared", "--cpu-layout", "How the engine core and the HTTP frontend share the CPUs: "
+        "'shared' (the core computes on all of them) or 'split' (the first CPU is kept for "
+        "the frontend, the core is pinned to the others, as vLLM does).", group="parallel",
+        choices=("shared", "split"))
 
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
@@ -154,7 +369,46 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     # None: no speculative decoding (every step decodes one token per request).
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeConfig | None = option(
+        None, "--speculative-config", "Speculative decoding, as vLLM spells it: JSON such as "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 7, \"prompt_lookup_min\": 2, "
+        "\"prompt_lookup_max\": 5}'. Methods: ngram (prompt lookup), suffix (also this "
+        "server's recent outputs), draft_model (a smaller model with the same tokenizer, "
+        "\"model\": its checkpoint; its KV shares the --kv-cache-memory budget). Extra keys: "
+        "disable_by_batch_size (no drafts while more requests run; default 4), "
+        "adaptive_draft_length (default true), min_acceptance_rate, backoff_tokens. With "
+        "--async-scheduling, steps that may carry drafts run one at a time. Default: off.",
+        group="speculative", type=speculative_config_json)
+
+    @classmethod
+    def from_options(cls, model: str, served_model_name: str | None = None,
+                     **values: Any) -> EngineConfig:
+        """The config of `model` with the declared options in `values` (by name, e.g.
+        `max_num_seqs=64`; `engine_options()` lists them), the rest at their defaults.
+        `speculative_config` may also be a dict of vLLM's keys. Raises TypeError for a
+        name that is not an engine option."""
+        unknown = sorted(set(values) - {declared.name for declared in engine_options()})
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; see engine_options()")
+        if isinstance(values.get("speculative_config"), dict):
+            values["speculative_config"] = SpeculativeConfig.from_dict(
+                values["speculative_config"])
+        return from_options(
+            cls, values,
+            model_config=from_options(ModelConfig, values, model=model,
+                                      served_model_name=served_model_name),
+            cache_config=from_options(CacheConfig, values),
+            scheduler_config=from_options(SchedulerConfig, values),
+            parallel_config=from_options(ParallelConfig, values),
+            device_config=from_options(DeviceConfig, values),
+        )
+
+
+def engine_options() -> list[Declared]:
+    """Every option of the engine (what `LLM` takes and the CLI's engine flags)."""
+    classes = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig,
+               EngineConfig)
+    return [declared for cls in classes for declared in declared_options(cls)]
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)

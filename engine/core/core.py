@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from dataclasses import dataclass, replace
 from engine.config import EngineConfig
 from engine.core.xray import XrayRecorder, build_snapshot
 from engine.executor.abstract import Executor, make_executor
+from engine.model_loader.resources import load_tokenizer
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, RequestStatus
 from engine.sched.output import SchedulerOutput
@@ -68,7 +68,7 @@ class EngineCore:
         )
         cache_config = replace(config.cache_config, block_size=self.kv_cache_info.block_size)
         self.structured_output = StructuredOutputManager(
-            functools.partial(_load_tokenizer, config.model_config.model),
+            functools.partial(load_tokenizer, config.model_config.model),  # on first use
             self.kv_cache_info.vocab_size)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks,
                                    structured_output=self.structured_output,
@@ -205,21 +205,3 @@ class EngineCore:
             self._worker.shutdown(wait=True)  # let the step in flight end first
         self.structured_output.shutdown()
         self.executor.shutdown()
-
-
-def _load_tokenizer(model: str):
-    """The model's Hugging Face tokenizer (for grammar compiles; loaded on first use).
-
-    A directory with a tokenizer but no weights (the echo models of the tests) serves
-    its tokenizer as it is."""
-    from transformers import AutoTokenizer
-
-    from engine.model_loader import ModelSourceError, resolve_model
-
-    try:
-        path = resolve_model(model).path
-    except ModelSourceError:
-        if not os.path.isdir(model):
-            raise
-        path = model
-    return AutoTokenizer.from_pretrained(str(path))

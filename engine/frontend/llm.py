@@ -7,6 +7,7 @@ strings and collects logprobs; the results are the server's `RequestOutput`s, fi
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Sequence
@@ -14,19 +15,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    parse_size,
-)
+from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
+from engine.model_loader.resources import load_model_resources
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -40,71 +33,33 @@ class LLM:
         llm = LLM(dtype="float32")                   # the default SmolLM2 model
         out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
         print(out[0].outputs[0].text)
+
+    The keywords are the engine's options (engine.config.engine_options()): the names of
+    `pagedserve serve`'s engine flags with underscores, with the same defaults
+    (`LLM(max_num_seqs=64)` is `--max-num-seqs 64`). A string goes through the flag's
+    parser (`kv_cache_memory="2G"`); `speculative_config` also takes a dict of vLLM's keys.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        quantization: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory: str | int | None = None,
-        kv_cache_dtype: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        device: str = "auto",
-        attention_backend: str = "auto",
-        policy: str = "fcfs",
-        async_scheduling: bool = False,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        batch_invariant: bool = False,
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        speculative_config: dict | SpeculativeConfig | None = None,
-    ):
-        from transformers import AutoTokenizer
-
+    def __init__(self, model: str | None = None, **options: Any):
+        if "policy" in options:  # the keyword's name before it was the flag's
+            options["scheduling_policy"] = options.pop("policy")
+        try:
+            _SIGNATURE.bind(self, model, **options)
+        except TypeError as exc:  # an unknown keyword, as Python would say it
+            raise TypeError(f"LLM() {exc}") from None
         from engine.model_loader import resolve_model
 
         resolved = resolve_model(model)
         self.model_dir = resolved.path
-        self.tokenizer = AutoTokenizer.from_pretrained(resolved.path)
-        config = EngineConfig(
-            model_config=ModelConfig(model=resolved.path, dtype=dtype, quantization=quantization,
-                                     max_model_len=max_model_len, seed=seed,
-                                     enforce_eager=enforce_eager,
-                                     batch_invariant=batch_invariant),
-            cache_config=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_memory_bytes=parse_size(kv_cache_memory) if kv_cache_memory else None,
-                kv_cache_dtype=kv_cache_dtype,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                async_scheduling=async_scheduling,
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                           enable_expert_parallel=enable_expert_parallel),
-            device_config=DeviceConfig(device=device, attention_backend=attention_backend),
-            speculative_config=(SpeculativeConfig.from_dict(speculative_config)
-                                if isinstance(speculative_config, dict) else speculative_config),
-        )
+        config = EngineConfig.from_options(str(resolved.path), **options)
+        # The tokenizer and EOS ids, as the server loads them: both stop at the same token.
+        self.resources = load_model_resources(resolved.path)
+        self.tokenizer = self.resources.tokenizer
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len
         self.processor = Processor(self.tokenizer, self.max_model_len,
                                    self.engine_core.kv_cache_info.vocab_size,
-                                   self.tokenizer.eos_token_id)
+                                   self.resources.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -137,6 +92,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("give one SamplingParams, or one per prompt")
+        # The model's other EOS ids (generation_config) stop a request, as in the server.
+        params_list = [self.resources.with_model_stops(params) for params in params_list]
         return self._run(prompts, params_list, use_tqdm)
 
     def chat(
@@ -196,3 +153,16 @@ class LLM:
             state.metrics.finished_time = time.time()
             results.append(OutputProcessor.make_output(state))
         return results
+
+
+def _signature() -> inspect.Signature:
+    """LLM(model=None, *, <every engine option>=<its default>), for help() and checks."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    return inspect.Signature([
+        inspect.Parameter("self", kind), inspect.Parameter("model", kind, default=None),
+        *(inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, default=d.default)
+          for d in engine_options())])
+
+
+_SIGNATURE = _signature()
+LLM.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ engine (finish_reason "abort"); `error()` is what the client is told besides.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import byte_size, option, positive_int, positive_seconds
 from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.sampling_params import SamplingParams
 from server.common.api_label import GENERATION_PATHS
@@ -43,21 +45,52 @@ _UNTRACKED_PATHS = frozenset({"/health", "/metrics", "/version"})
 _INFERENCE_PATHS = GENERATION_PATHS
 
 
+def max_logprobs_value(text: str) -> int:
+    """--max-logprobs: 0..engine.sampling_params.MAX_LOGPROBS."""
+    from engine.sampling_params import MAX_LOGPROBS
+
+    value = int(text)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOGPROBS}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Caps an operator sets (`pagedserve serve` flags) and a client cannot exceed."""
 
-    max_queued_requests: int = 1024  # sequences not yet scheduled (see the module doc)
-    max_n: int = 16
-    max_logprobs: int = 20  # at most engine.sampling_params.MAX_LOGPROBS
-    max_prompts_per_request: int = 256
-    max_request_body_bytes: int = 32 << 20
-    max_header_bytes: int = 64 << 10
-    request_timeout_s: float | None = None  # None: no deadline
+    max_queued_requests: int = option(  # sequences not yet scheduled (see the module doc)
+        1024, "--max-queued-requests", "Most sequences waiting to be scheduled (in the engine "
+        "or on their way to it); a request beyond that is refused with 503 and Retry-After.",
+        group="limits", type=positive_int)
+    max_n: int = option(16, "--max-n", "Most choices ('n') one request may ask for.",
+                        group="limits", type=positive_int)
+    max_logprobs: int = option(
+        20, "--max-logprobs", "Most logprobs (top alternatives per token) a request may ask "
+        "for.", group="limits", type=max_logprobs_value)
+    max_prompts_per_request: int = option(
+        256, "--max-prompts-per-request", "Most prompts in one /v1/completions request.",
+        group="limits", type=positive_int)
+    max_request_body_bytes: int = option(
+        32 << 20, "--max-request-body-bytes", "Largest request body, with an optional K/M/G "
+        "suffix; larger ones get 413.", group="limits", type=byte_size, default_text="32M")
+    max_header_bytes: int = option(
+        64 << 10, "--max-header-bytes", "Largest request head (request line and headers), "
+        "with an optional K/M/G suffix; larger ones are refused.", group="limits",
+        type=byte_size, default_text="64K")
+    request_timeout_s: float | None = option(  # None: no deadline
+        None, "--request-timeout", "Abort a request still running after this many seconds "
+        "(finish_reason 'abort' and a request_timeout error). Default: no deadline.",
+        group="limits", type=positive_seconds)
     retry_after_s: int = 1  # the Retry-After of an overload answer
     # The Responses API's store of responses (server/apis/responses/store.py).
-    responses_store_size: int = 1024  # 0: nothing is stored
-    responses_store_ttl_s: float = 3600.0
+    responses_store_size: int = option(  # 0: nothing is stored
+        1024, "--responses-store-size", "Most responses the Responses API keeps (store: true) "
+        "for GET /v1/responses/{id} and previous_response_id; the oldest goes first (0: keep "
+        "none).", group="limits", type=int)
+    responses_store_ttl_s: float = option(
+        3600.0, "--responses-store-ttl", "Seconds a stored response is kept.", group="limits",
+        type=positive_seconds)
 
 
 def record_failure(metrics: Any, reason: str, count: int = 1) -> None:

@@ -1,7 +1,8 @@
 """Start-up and shutdown of one server: socket, tokenizer, engine, app, uvicorn.
 
     APIServer.start():  bind the socket (fail fast if the port is taken), load the
-                        tokenizer, start the engine core (its own process), build the app
+                        tokenizer and EOS ids (load_model_resources) while the engine
+                        core starts (its own process), build the app
     APIServer.serve():  run uvicorn on the bound socket until asked to stop, then shut
                         the engine down
 
@@ -22,6 +23,7 @@ server answered in an `x-pagedserve-api-server` header.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -31,20 +33,32 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import uvicorn
 
-from engine.config import EngineConfig
+from engine.config import (
+    Declared,
+    EngineConfig,
+    Option,
+    declared_options,
+    from_options,
+    option,
+    positive_int,
+    seconds,
+)
 from engine.executor.abstract import ExecutorSpec
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
 from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
-from server.chat.tool_parsers import parser_for_model_type
+from engine.model_loader.resources import load_model_resources
+from server.chat.reasoning import REASONING_PARSERS
+from server.chat.tool_parsers import TOOL_CALL_PARSERS, parser_for_model_type
 from server.common.lifecycle import ServerLimits
 from server.common.metrics import ServerMetrics
 from server.common.state import ServerState, XrayOptions
@@ -53,23 +67,98 @@ from server.http.app import build_app
 logger = logging.getLogger("pagedserve")
 
 
+def origins_list(text: str) -> list[str]:
+    """--allowed-origins: a JSON list ('["http://a", "http://b"]') or a comma-separated list."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 @dataclass
 class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (see APIServer.url)
-    api_key: str | None = None
-    allowed_origins: list[str] = field(default_factory=list)
-    log_level: str = "info"
+    """How one server serves: the `pagedserve serve` flags that are not the engine's
+    (declared here, on ServerLimits and in XRAY_OPTIONS; see engine/config.py `option`)."""
+
+    host: str = option("127.0.0.1", "--host", "Address to listen on.", group="server")
+    port: int = option(  # 0: any free port (see APIServer.url)
+        8000, "--port", "Port to listen on (0: any free port; the start-up log line says "
+        "which).", group="server", type=int)
+    api_server_count: int = option(  # > 1: server/http/launcher.py
+        1, "--api-server-count", "HTTP frontend processes (API servers) serving the one "
+        "--port, all over one engine core, for when a single frontend's tokenization, "
+        "detokenization and streaming are the limit (vLLM's flag; see "
+        "server/http/launcher.py).", group="server", type=positive_int)
+    api_key: str | None = option(
+        None, "--api-key", "Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
+        "Anthropic's header) on the inference routes (/v1/*, /api/* but /api/version, "
+        "/tokenize, /detokenize) and on /xray; /health, /metrics and /version stay open.",
+        group="server")
+    allowed_origins: list[str] = option(
+        None, "--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
+        "comma-separated list (e.g. '[\"*\"]'). Default: none (no CORS headers).",
+        group="server", type=origins_list, default_factory=list)
+    log_level: str = option("info", "--log-level", "Log level.", group="observability",
+                            choices=("debug", "info", "warning", "error"))
     engine_mode: Literal["process", "thread"] = "process"
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    shutdown_timeout_s: float = 5.0  # drain: how long in-flight requests may still run
+    shutdown_timeout_s: float = option(  # drain: how long in-flight requests may still run
+        5.0, "--shutdown-timeout", "On SIGTERM/SIGINT: refuse new requests (503) and let the "
+        "in-flight ones finish for up to this many seconds, then abort the rest and exit.",
+        group="server", type=seconds)
     limits: ServerLimits = field(default_factory=ServerLimits)
     health_ping_timeout_s: float = HEALTH_PING_TIMEOUT_S
     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S
     xray: XrayOptions = field(default_factory=XrayOptions)
+    # Chat: tool calls and reasoning (server/chat/tools.py, server/chat/reasoning.py).
     # "auto": by the model's family (server/chat/tool_parsers.py); "none": no parser.
-    tool_call_parser: str = "auto"
-    reasoning_parser: str | None = None
+    tool_call_parser: str = option(
+        "auto", "--tool-call-parser", "How tool_choice 'auto' finds tool calls in the output: "
+        "'hermes' (<tool_call> JSON, Qwen2/Qwen3), 'llama3_json' (Llama 3 JSON calls), "
+        "'mistral' ([TOOL_CALLS] and a JSON list), 'phi4_mini_json' (<|tool_call|> and a "
+        "JSON list, Phi-4-mini), 'pythonic' ([f(a=1)], Gemma 3), 'auto' (by the model's "
+        "family: hermes for Qwen, llama3_json for Llama, mistral for Mistral, "
+        "phi4_mini_json for Phi-3/4, pythonic for Gemma 3), or 'none' (tool_choice 'auto' "
+        "is refused; 'required' and named functions always work).", group="server",
+        choices=("auto", *TOOL_CALL_PARSERS, "none"))
+    reasoning_parser: str | None = option(
+        None, "--reasoning-parser", "Split a thinking model's output: 'qwen3' sends the text "
+        "between <think> and </think> as reasoning_content (Qwen3, Phi-4 reasoning), "
+        "'mistral' the text between [THINK] and [/THINK] (Magistral). Default: none.",
+        group="server", choices=tuple(REASONING_PARSERS))
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any], **fields: Any) -> ServeOptions:
+        """ServeOptions with its limits and x-ray options from the option values in
+        `values` (by name, as `serve_options()` lists them), the rest at their defaults."""
+        limits = from_options(ServerLimits, values)
+        # A negative --responses-store-size keeps no responses, as 0 does.
+        limits = replace(limits, responses_store_size=max(0, limits.responses_store_size))
+        return from_options(cls, values, limits=limits,
+                            xray=from_options(XrayOptions, values, XRAY_OPTIONS), **fields)
+
+
+# --xray and --xray-show-text set XrayOptions' fields (server/common/state.py).
+XRAY_OPTIONS = [
+    Declared("xray", "enabled", XrayOptions.enabled, Option(
+        "Serve the engine x-ray: GET /xray, a live page of the scheduler, the KV block pool "
+        "and the prefix cache, and GET /xray/state, its JSON (default: on; --no-xray removes "
+        "both).", "observability", "--xray", negatable=True)),
+    Declared("xray_show_text", "show_text", XrayOptions.show_text, Option(
+        "Show prompt and output text on /xray (default: token counts, block ids and hashes "
+        "only).", "observability", "--xray-show-text")),
+]
+
+
+def serve_options() -> list[Declared]:
+    """Every option of the server besides the engine's (the CLI's other flags)."""
+    return [*declared_options(ServeOptions), *declared_options(ServerLimits), *XRAY_OPTIONS]
 
 
 class _Uvicorn(uvicorn.Server):
@@ -83,13 +172,6 @@ class _Uvicorn(uvicorn.Server):
         pass
 
 
-@dataclass
-class TokenizerInfo:
-    tokenizer: Any
-    eos_token_id: int | None
-    extra_stop_token_ids: list[int]
-
-
 def resolve_tool_call_parser(name: str, model_dir: str | Path) -> str | None:
     """--tool-call-parser: "auto" picks by config.json's model_type; "none" is None."""
     if name == "none":
@@ -101,30 +183,6 @@ def resolve_tool_call_parser(name: str, model_dir: str | Path) -> str | None:
     except (OSError, ValueError):
         model_type = None
     return parser_for_model_type(model_type)
-
-
-def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
-    """The model's tokenizer and end-of-sequence ids (generation_config wins).
-
-    A generation_config may list several EOS ids: the first is the engine's EOS, the
-    others stop a request like stop_token_ids do.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    eos_ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        generation = GenerationConfig.from_pretrained(str(model_dir))
-        value = generation.eos_token_id
-        eos_ids = [value] if isinstance(value, int) else list(value or [])
-    except Exception:  # noqa: BLE001 - no generation_config.json is fine
-        pass
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids.insert(0, tokenizer.eos_token_id)
-    eos = eos_ids[0] if eos_ids else None
-    return TokenizerInfo(tokenizer, eos, eos_ids[1:])
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -226,8 +284,9 @@ class APIServer:
         options = self.options
         self.socket = self._given_socket or bind_socket(options.host, options.port)
         try:
-            # The tokenizer loads in a thread while the engine core process starts.
-            info_load = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.model_dir))
+            # The tokenizer and EOS ids load in a thread while the engine core starts.
+            resources_load = asyncio.ensure_future(
+                asyncio.to_thread(load_model_resources, self.model_dir))
             try:
                 if self.shared_core is not None:
                     client = await AsyncSharedCoreClient.start(self.shared_core,
@@ -237,26 +296,27 @@ class APIServer:
                         self.engine_config, self.executor_spec, options.engine_mode,
                         options.startup_timeout_s, options.log_level)
             except BaseException:
-                info_load.cancel()
+                resources_load.cancel()
                 raise
             try:
-                info = await info_load
+                resources = await resources_load
             except BaseException:
                 client.shutdown()
                 raise
             metrics = ServerMetrics(self.served_model_names[0],
                                     multiprocess=self.shared_core is not None)
-            engine = AsyncEngine.from_client(client, info.tokenizer,
-                                             eos_token_id=info.eos_token_id, observer=metrics)
+            engine = AsyncEngine.from_client(client, resources.tokenizer,
+                                             eos_token_id=resources.eos_token_id,
+                                             observer=metrics)
         except BaseException:
             self.socket.close()
             raise
         metrics.set_cache_config(self.engine_config.cache_config, engine.kv_cache_info)
         self.state = ServerState(
-            engine=engine, tokenizer=info.tokenizer, served_model_names=self.served_model_names,
-            model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
+            engine=engine, tokenizer=resources.tokenizer,
+            served_model_names=self.served_model_names, model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
             scheduling_policy=self.engine_config.scheduler_config.policy,
-            extra_stop_token_ids=info.extra_stop_token_ids, limits=options.limits,
+            extra_stop_token_ids=resources.extra_stop_token_ids, limits=options.limits,
             health_ping_timeout_s=options.health_ping_timeout_s,
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
             tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),
