@@ -44,11 +44,11 @@ if [[ -n ${FETCH:-} ]]; then exec "$PY" -m benchmarks.gpu_check_deps fetch; fi
 KERNEL_TESTS=(
     tests/gpu/test_gpu_kernels.py
     tests/gpu/test_gpu_memory.py
-    tests/test_kernels.py::test_reshape_and_cache_matches_reference
-    tests/test_kernels.py::test_paged_attention_matches_reference
-    tests/test_kernels.py::test_paged_attention_half_precision
-    tests/test_kernels.py::test_paged_attention_shapes
-    tests/test_kernels.py::test_kernels_accept_strided_views
+    tests/kernels/test_attention_kernels.py::test_reshape_and_cache_matches_reference
+    tests/kernels/test_attention_kernels.py::test_paged_attention_matches_reference
+    tests/kernels/test_attention_kernels.py::test_paged_attention_half_precision
+    tests/kernels/test_attention_kernels.py::test_paged_attention_shapes
+    tests/kernels/test_attention_kernels.py::test_kernels_accept_strided_views
 )
 PARITY_TESTS=(tests/gpu/test_gpu_parity.py)
 SITE=/tmp/site

@@ -11,15 +11,15 @@
 What each is tested against (its reference), and where:
 
 * Triton ``reshape_and_cache``, ``paged_attention``: ``kernels.reference`` (torch);
-  tests/test_kernels.py (under the Triton interpreter without CUDA).
-* C++ ``paged_attention.cpp``: ``kernels.reference.paged_attention_ref``; tests/test_kernels.py,
+  tests/kernels/test_attention_kernels.py (under the Triton interpreter without CUDA).
+* C++ ``paged_attention.cpp``: ``kernels.reference.paged_attention_ref``; tests/kernels/test_attention_kernels.py,
   test_paged_attention_isa.py, test_sliding_window_kernels.py, test_softcap_kernels.py.
 * C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``kernels.reference.quant_linear_ref``;
-  tests/test_quant.py, test_int4_blocked_isa.py.
-* C++ ``gguf_linear.cpp``: gguf-py's ``dequantize`` and a float64 matmul; tests/test_gguf_kernels.py.
+  tests/kernels/test_quant.py, test_int4_blocked_isa.py.
+* C++ ``gguf_linear.cpp``: gguf-py's ``dequantize`` and a float64 matmul; tests/kernels/test_gguf_kernels.py.
 * C++ ``fused_ops.cpp``: the torch paths of the modules they replace (RMSNorm, rotary,
   SiluAndMul, the KV-cache write); tests/engine/test_fused_ops.py.
-* C++ ``decoder_stack.cpp``: the Python decoder layers, bit for bit; tests/test_fused_decoder.py.
+* C++ ``decoder_stack.cpp``: the Python decoder layers, bit for bit; tests/kernels/test_fused_decoder.py.
 
 Triton is imported lazily, on the first kernel launch, so ``import kernels``, the C++ kernels
 and the torch references work on machines without triton.

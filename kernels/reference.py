@@ -8,10 +8,10 @@ They need only torch (no triton, no compiler).
 
 The other C++ kernels have their references elsewhere, because one already exists: the GGUF
 linears (``gguf_linear.cpp``) are checked against gguf-py's ``dequantize`` and a float64
-matmul (tests/test_gguf_kernels.py); the fused small ops (``fused_ops.cpp``) against the torch
+matmul (tests/kernels/test_gguf_kernels.py); the fused small ops (``fused_ops.cpp``) against the torch
 paths of the modules they replace, e.g. ``RMSNorm.forward_torch`` (tests/engine/test_fused_ops.py);
 the decoder stack (``decoder_stack.cpp``) against the Python decoder layers, bit for bit
-(tests/test_fused_decoder.py).
+(tests/kernels/test_fused_decoder.py).
 
 Layouts (shared with ``kernels.reshape_and_cache`` and ``kernels.paged_attention``)::
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import (
     GREEDY,
     NUM_NEW_TOKENS,
@@ -28,6 +27,7 @@ from tests.support.correctness import (
     hf_reference,
     make_prompts,
 )
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 # One architecture for a test whose path does not depend on the model's layers.

@@ -23,8 +23,8 @@ from engine.worker.cuda_graphs import (
     default_capture_sizes,
     padded_size,
 )
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import assert_all_three_match, hf_reference, make_prompts
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 BLOCK_SIZE = 16
 EAGER_PADDED = DecodeGraphConfig(capture_sizes=(1, 2, 4, 8), capture=False)

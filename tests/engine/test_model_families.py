@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import assert_all_three_match, hf_reference, make_prompts
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 # Windows that are not a multiple of the block size (16), so they start mid-block.
 CASES = {

@@ -15,8 +15,8 @@ from engine.model_loader import iter_safetensors, load_model, resolve_dtype
 from engine.models import get_model_class, supported_architectures
 from engine.models.moe import SparseMoeBlock
 from engine.models.rotary import compute_inv_freq, rope_parameters
-from tests.hf_reference import load_hf_model
-from tests.model_fixtures import (
+from tests.support.hf_reference import load_hf_model
+from tests.support.model_fixtures import (
     ARCHITECTURES,
     build_hf_model,
     build_tiny_checkpoint,

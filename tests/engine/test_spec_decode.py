@@ -15,8 +15,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.request import EngineCoreRequest
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import count_preemptions, make_prompts
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.spec_decode import SpecCounts, assert_all_blocks_free, note_steps_in_flight
 
 K = 4

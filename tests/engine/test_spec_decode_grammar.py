@@ -24,7 +24,7 @@ from engine.request import EngineCoreRequest
 from engine.sched.output import GrammarBitmask
 from engine.structured_output import StructuredOutputsParams
 from engine.worker.model_runner import ModelRunner
-from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 from tests.support.scheduler import grammar_scheduler
 from tests.support.spec_decode import SpecCounts, assert_all_blocks_free
 

@@ -15,7 +15,7 @@ from engine.request import EngineCoreRequest, RequestStatus
 from engine.sample import Sampler, SamplingState
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.structured_output import StructuredOutputsParams
-from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 from tests.support.scheduler import grammar_scheduler
 
 VOCAB = 512

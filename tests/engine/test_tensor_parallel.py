@@ -28,9 +28,9 @@ from engine.executor.messages import Step, StepDone, core_side_codec, worker_sid
 from engine.executor.multiproc_executor import plan_rank_cpus
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
-from tests.model_fixtures import build_tiny_checkpoint, tiny_config
 from tests.support.correctness import count_preemptions
+from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.support.model_fixtures import build_tiny_checkpoint, tiny_config
 
 NUM_NEW_TOKENS = 12
 PROMPT_LENS = [5, 60, 17, 100, 40, 9]

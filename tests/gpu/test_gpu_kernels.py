@@ -1,7 +1,7 @@
 """The Triton kernels compiled on the GPU against their torch references, at model
 shapes, in bf16 and fp16, and replayed inside a CUDA graph.
 
-tests/test_kernels.py runs its kernel tests on the GPU too when there is one (its
+tests/kernels/test_attention_kernels.py runs its kernel tests on the GPU too when there is one (its
 batches move to CUDA); these add what only a device shows: real head counts and
 long contexts, and a captured graph that must follow its input buffers' new
 contents on every replay. Skipped without CUDA (marked gpu).
@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
-from tests.test_kernels import MIXED_BATCH, assert_same_cache, make_batch
+from tests.support.attention_cases import MIXED_BATCH, assert_same_cache, make_batch
 
 pytestmark = pytest.mark.gpu
 

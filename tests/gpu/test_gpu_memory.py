@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

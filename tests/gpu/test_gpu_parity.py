@@ -15,8 +15,6 @@ import importlib.util
 import pytest
 
 from engine import LLM
-from tests.hf_reference import assert_greedy_matches
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.correctness import (
     GREEDY,
     NUM_NEW_TOKENS,
@@ -25,6 +23,8 @@ from tests.support.correctness import (
     hf_reference,
     make_prompts,
 )
+from tests.support.hf_reference import assert_greedy_matches
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -47,8 +47,8 @@ from engine.ipc import (
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import build_tiny_checkpoint
 from tests.support.metrics import parse, value, wait_until
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.server_fixtures import ServerProcess, ServerThread
 
 HEADER = "x-pagedserve-api-server"

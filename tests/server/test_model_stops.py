@@ -15,7 +15,7 @@ import pytest
 
 from engine.frontend.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.server_fixtures import ServerThread
 
 MAX_TOKENS = 24

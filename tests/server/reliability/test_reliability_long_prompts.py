@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.reliability_fixtures import child_pids, metric, pid_alive, wait_gone
 from tests.support.server_fixtures import ServerProcess
 

@@ -12,7 +12,7 @@ from engine.kv_cache.groups import (
     make_kv_cache_groups,
 )
 from engine.kv_cache.manager import KVCacheManager, cdiv
-from tests.unit.kv_cache.test_kv_cache_manager import BLOCK_SIZE, make_request
+from tests.support.kv_cache import BLOCK_SIZE, make_request
 
 
 def test_groups_of_the_worked_example():

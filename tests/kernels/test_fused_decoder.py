@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
 from kernels.cpu_kernels import cpu_kernels
-from tests.model_fixtures import build_tiny_checkpoint
+from tests.support.model_fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="C++ CPU kernels unavailable")
 
@@ -80,7 +80,7 @@ def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
 def test_fused_stack_serves_gguf_blocks_as_the_modules_do(monkeypatch, name, dtype):
     """GGUF K-quant weights (and a stacked qkv of Q4_K + Q6_K pieces, and Q5_0/Q8_0
     repacks) in the stack: the modules' tokens and logprobs, bit for bit."""
-    path = Path(__file__).parent / "data" / "gguf" / name
+    path = Path(__file__).parents[1] / "data" / "gguf" / name
     before = KERNEL_CALLS["Q4_K"]
     tokens, logprobs, steps = generate(path, monkeypatch, True, dtype=dtype)
     fused_q4k = KERNEL_CALLS["Q4_K"] - before

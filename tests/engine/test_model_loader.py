@@ -13,8 +13,8 @@ import torch
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.model_loader import gguf as gguf_module
 from engine.model_loader import source as source_module
-from tests.hf_reference import load_hf_model
-from tests.model_fixtures import (
+from tests.support.hf_reference import load_hf_model
+from tests.support.model_fixtures import (
     GGUF_ARCHITECTURES,
     build_tiny_checkpoint,
     build_tiny_gguf,
@@ -128,7 +128,7 @@ def test_gguf_llama_file_with_a_sliding_window_is_a_mistral_with_that_window(tmp
     greedy tokens equal transformers' on the source checkpoint, through chunked prefill
     (16-token chunks) and prefix hits."""
     from engine import LLM, SamplingParams
-    from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+    from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
 
     hf_dir = build_tiny_checkpoint(tmp_path / "hf", "mistral", sliding_window=12)
     gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny-mistral.gguf", "mistral")

@@ -30,8 +30,8 @@ from engine.models.quant import (
 )
 from engine.models.weight_utils import map_weight_name
 from kernels.reference import quant_linear_ref
-from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
-from tests.model_fixtures import build_tiny_checkpoint, build_tiny_gguf
+from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_gguf
 
 needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")

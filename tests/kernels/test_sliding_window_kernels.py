@@ -15,32 +15,17 @@ import torch
 
 import kernels
 from kernels.reference import paged_attention_ref
-from tests.test_kernels import cpu_attention_kernel, make_batch, needs_kernels
+from tests.support.attention_cases import (
+    WINDOW_BATCH,
+    cpu_attention_kernel,
+    filled_batch,
+    needs_kernels,
+    poisoned_table,
+    torch_backend_forward,
+)
 
-BLOCK_SIZE = 16
-# (cached context, new tokens): a prefill longer than every window, a chunk over a cached
-# context ending mid-block, decodes mid-block and at a block's first slot, a 1-token prompt.
-WINDOW_BATCH = [(0, 40), (50, 6), (70, 1), (31, 1), (0, 1)]
 WINDOWS = [pytest.param(5, id="W5<block"), pytest.param(16, id="W16=block"),
            pytest.param(40, id="W40>block")]
-
-
-def poisoned_table(block_table: torch.Tensor, specs, window: int, poison_block: int = 0):
-    """`block_table` with each request's blocks before its earliest query's window set to
-    `poison_block`. Example, block size 16, W 5, 50 cached + 6 new: the first query (50)
-    sees keys 46..50, so block 2 (keys 32..47) is the first read; blocks 0, 1 poisoned."""
-    table = block_table.clone()
-    for r, (ctx, _) in enumerate(specs):
-        first_block = max(0, ctx - window + 1) // BLOCK_SIZE
-        table[r, :first_block] = poison_block
-    return table
-
-
-def filled_batch(num_heads=8, num_kv_heads=2, head_size=64):
-    batch = make_batch(WINDOW_BATCH, num_heads, num_kv_heads, head_size, BLOCK_SIZE)
-    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
-                                            batch.slot_mapping)
-    return batch
 
 
 def reference(batch, window: int, scale: float) -> torch.Tensor:
@@ -87,33 +72,6 @@ def test_cpu_kernel_sliding_window(window):
     torch.testing.assert_close(out, reference(batch, window, scale), rtol=1e-5, atol=1e-5)
 
 
-def torch_backend_forward(window: int | None, use_cpu_kernel: bool, scale: float,
-                          **forward_kwargs):
-    """(out [num_real rows], batch): TorchAttentionBackend.forward over WINDOW_BATCH with
-    a poisoned table (the real one when `window` is None); the batch's cache then holds
-    the new keys and values, as the reference expects."""
-    from engine.attention.backends.torch_backend import TorchAttentionBackend
-    from engine.attention.metadata import AttentionMetadata
-
-    batch = make_batch(WINDOW_BATCH, 8, 2, 64, BLOCK_SIZE)
-    # Finite poison: the SDPA decode path gathers whole contexts and masks them.
-    batch.kv_cache = torch.where(batch.kv_cache.isnan(), 1e4, batch.kv_cache)
-    backend = TorchAttentionBackend(use_cpu_kernel=use_cpu_kernel)
-    head_major = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous()
-    table = batch.block_table if window is None else poisoned_table(
-        batch.block_table, WINDOW_BATCH, window)
-    metadata = AttentionMetadata(
-        num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
-        max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, block_table=table, slot_mapping=batch.slot_mapping,
-        query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
-    out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale,
-                          sliding_window=window, **forward_kwargs)
-    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
-                                            batch.slot_mapping)
-    return out[: batch.num_real], batch
-
-
 @pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp", "sdpa"])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_torch_backend_sliding_window(window, use_cpu_kernel):
@@ -127,7 +85,7 @@ def test_torch_backend_sliding_window(window, use_cpu_kernel):
 def test_torch_backend_window_without_cache():
     """The profiling pass (no cache yet): windowed causal attention over the new tokens."""
     from engine.attention.backends.torch_backend import TorchAttentionBackend
-    from tests.model_fixtures import prefill_metadata
+    from tests.support.model_fixtures import prefill_metadata
 
     batch = filled_batch()
     specs = [(0, 40), (0, 1)]

@@ -14,7 +14,7 @@ import kernels.cpu_kernels
 from engine import LLM, SamplingParams
 from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
-from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
 
 pytestmark = pytest.mark.slow
 

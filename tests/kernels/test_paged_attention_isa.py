@@ -4,7 +4,7 @@ The server builds kernels/cpu/ with -march=native, so one machine runs one versi
 kernels/cpu/paged_attention.cpp (AVX-512: 4-vector value tiles; AVX2: 2-vector tiles and
 16 registers; no SIMD: the vector extension's plain loops). Here the file is also built
 for AVX2 only and for no SIMD at all, and checked as the native build is
-(tests/test_kernels.py `check_rows_batch_invariant`: the reference, and each row alone
+(tests/kernels/test_attention_kernels.py `check_rows_batch_invariant`: the reference, and each row alone
 equal to the row inside its request's run or a shuffled batch). Two extra
 compiles (~30 s each): extended.
 """
@@ -15,8 +15,8 @@ import shutil
 import pytest
 import torch
 
+from tests.support.attention_cases import check_rows_batch_invariant
 from tests.support.isa_builds import build_for_isa
-from tests.test_kernels import check_rows_batch_invariant
 
 BINDING = r"""
 #include <torch/extension.h>

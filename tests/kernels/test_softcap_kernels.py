@@ -10,10 +10,10 @@ import torch
 
 import kernels
 from kernels.reference import paged_attention_ref
-from tests.test_kernels import needs_kernels
-from tests.test_sliding_window_kernels import (
+from tests.support.attention_cases import (
     WINDOW_BATCH,
     filled_batch,
+    needs_kernels,
     poisoned_table,
     torch_backend_forward,
 )
@@ -54,7 +54,7 @@ def test_torch_backend_soft_cap(window, use_cpu_kernel):
 def test_torch_backend_soft_cap_without_cache():
     """The profiling pass (no cache yet): capped causal attention over the new tokens."""
     from engine.attention.backends.torch_backend import TorchAttentionBackend
-    from tests.model_fixtures import prefill_metadata
+    from tests.support.model_fixtures import prefill_metadata
 
     batch = filled_batch()
     q = batch.query[:41]

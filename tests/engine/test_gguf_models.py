@@ -16,10 +16,10 @@ from engine import LLM, SamplingParams
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.quant import KERNEL_CALLS, QuantizedWeight
-from tests.hf_reference import assert_greedy_matches, hf_greedy_reference
-from tests.model_fixtures import TINY_PHI4_LONGROPE, build_tiny_checkpoint
+from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
+from tests.support.model_fixtures import TINY_PHI4_LONGROPE, build_tiny_checkpoint
 
-FIXTURES = Path(__file__).parent / "data" / "gguf"
+FIXTURES = Path(__file__).parents[1] / "data" / "gguf"
 needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 ALL_FILES = sorted(p.name for p in FIXTURES.glob("*.gguf"))

@@ -1,0 +1,1 @@
+"""Tests of the C++/Triton kernels against their references, one file per kernel family."""
