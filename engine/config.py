@@ -142,6 +142,30 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object: '{"temperature": 0.7, "top_p": 0.9}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def generation_config_source(text: str) -> str:
+    """--generation-config: "auto", "vllm", or a folder holding a generation_config.json."""
+    from engine.sampling_defaults import GENERATION_CONFIG_MODES, read_generation_config_file
+
+    if text in GENERATION_CONFIG_MODES:
+        return text
+    try:
+        read_generation_config_file(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not 'auto', 'vllm' or such a folder: {exc}") from None
+    return text
+
+
 def speculative_config_json(text: str) -> SpeculativeConfig:
     """vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
     try:
@@ -181,10 +205,34 @@ class ModelConfig:
         False, "--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
         "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
         "--max-num-seqs.", group="model")
+    # Sampling defaults (engine/frontend/sampling_defaults.py): read by the front ends,
+    # not the engine core.
+    generation_config: str = option(
+        "auto", "--generation-config", "Where unset sampling fields take their defaults from, "
+        "as vLLM spells it: 'auto' the model's generation config (generation_config.json, or "
+        "a GGUF's general.sampling.* keys: temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens), 'vllm' none of the model's, or a folder holding "
+        "a generation_config.json. GET /v1/models shows the defaults in force.", group="model",
+        type=generation_config_source)
+    override_generation_config: dict[str, Any] | None = option(
+        None, "--override-generation-config", "Server-wide sampling defaults over the "
+        "model's, as JSON with generation_config.json's names: '{\"temperature\": 0.7, "
+        "\"top_p\": 0.9, \"max_new_tokens\": 512}'. A request's own values still win.",
+        group="model", type=json_object)
+    max_tokens_default: int | None = option(
+        None, "--max-tokens-default", "Output tokens at most for a request that sets no "
+        "max_tokens (any API). Default: the model's max_new_tokens if its generation config "
+        "has one, else the room left in the context.", group="model", type=positive_int)
     batch_invariant: bool = option(  # engine.batch_invariant
         False, "--batch-invariant", "Make each request's tokens and logprobs independent of "
         "the requests batched with it (quantized linears and attention take their per-row "
         "kernels for every batch; see README for what it costs).", group="model")
+
+    def __post_init__(self) -> None:
+        from engine.sampling_defaults import check_owner_settings
+
+        check_owner_settings(self.generation_config, self.override_generation_config,
+                             self.max_tokens_default)
 
 
 # --kv-cache-dtype's choices: "auto" = the model's compute dtype.

@@ -21,6 +21,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
 from engine.model_loader.resources import load_model_resources
 from engine.request_output import RequestOutput
+from engine.sampling_defaults import resolve_sampling_defaults
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -62,6 +63,16 @@ class LLM:
                                    self.resources.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        model_config = config.model_config
+        self.sampling_defaults = resolve_sampling_defaults(
+            model_config.generation_config, self.resources.generation_config,
+            model_config.override_generation_config, model_config.max_tokens_default)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of the sampling defaults in force (generation_config,
+        override_generation_config, max_tokens_default: as the server's, see
+        engine/sampling_defaults.py): what generate() and chat() use when given none."""
+        return SamplingParams(**self.sampling_defaults.fields)
 
     def shutdown(self) -> None:
         """Stop the engine (with tensor_parallel_size > 1: its worker processes); idempotent."""
@@ -85,7 +96,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

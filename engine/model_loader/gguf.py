@@ -36,11 +36,13 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
+from engine.sampling_defaults import GGUF_SAMPLING_KEYS
 
 # torch is never imported here: the HTTP frontend resolves models through this module.
 
@@ -48,7 +50,7 @@ GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live t
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 6  # bump when the output format changes: old caches are then ignored
+CONVERTER_VERSION = 7  # bump when the output format changes: old caches are then ignored
 # (6: a llama file's sliding_window, phi3)
 # The dtype the cached config declares (what `--dtype auto` follows on CUDA): float32 up to
 # this many parameters, bfloat16 above.
@@ -257,7 +259,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     config = config_from_gguf(gguf)
     tokenizer = _save_tokenizer(gguf_path, out_dir)
     config.save_pretrained(out_dir)
-    _save_generation_config(config, out_dir, end_of_turn_ids(gguf, tokenizer))
+    _save_generation_config(config, out_dir, end_of_turn_ids(gguf, tokenizer),
+                            gguf_sampling_defaults(gguf))
     (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf_file": str(gguf_path)}))
 
 
@@ -505,11 +508,24 @@ def end_of_turn_ids(gguf: GGUFFile, tokenizer) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None and i != eos))
 
 
-def _save_generation_config(config, out_dir: Path, extra_eos_ids: list[int]) -> None:
-    """EOS first, then the end-of-turn ids: the server stops at every one of them."""
+def gguf_sampling_defaults(gguf: GGUFFile) -> dict[str, Any]:
+    """The sampling defaults a GGUF file carries (general.sampling.temp, .top_p, .top_k,
+    .min_p, .penalty_repeat), by generation_config.json's names: the server's
+    --generation-config auto reads them from there (engine/sampling_defaults.py)."""
+    values = {name: gguf.get(key) for key, name in GGUF_SAMPLING_KEYS.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _save_generation_config(config, out_dir: Path, extra_eos_ids: list[int],
+                            sampling: dict[str, Any]) -> None:
+    """EOS first, then the end-of-turn ids: the server stops at every one of them; and
+    the file's sampling defaults."""
     from transformers import GenerationConfig
 
     eos_ids = [i for i in (config.eos_token_id, *extra_eos_ids) if i is not None]
     eos = eos_ids if len(eos_ids) > 1 else config.eos_token_id
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
                      pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+    if sampling:  # written as given (GenerationConfig would add its own defaults)
+        path = out_dir / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **sampling}, indent=2))

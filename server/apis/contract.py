@@ -52,6 +52,9 @@ class TurnRequest:
     id_prefix: str  # of the request id: the API's label (server/common/api_label.py)
     prompt_token_ids: list[int] | None = None  # instead of the rendered messages
     max_context: int | None = None  # a client's context limit below the server's
+    # The API's own documented defaults of unset sampling fields, under the server's
+    # (engine/sampling_defaults.py; Ollama: temperature 0.8, top_k 40, top_p 0.9).
+    api_defaults: dict[str, Any] | None = None
 
 
 class Translator(ABC):
@@ -113,7 +116,8 @@ async def serve_turn(state: ServerState, translator: Translator, raw_request: Re
     request = translator.chat_request()
     run = await start_chat(state, request.chat, raw_request, id_prefix=request.id_prefix,
                            prompt_token_ids=request.prompt_token_ids,
-                           max_context=request.max_context)
+                           max_context=request.max_context,
+                           api_defaults=request.api_defaults)
     if request.chat.stream:
         return EngineStreamingResponse(translator.stream(run, raw_request), run.active,
                                        translator.media_type)

@@ -6,7 +6,9 @@ build its SamplingParams and queue it. Every API that answers with an assistant 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -50,7 +52,8 @@ class ChatRun:
 
 async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
                      id_prefix: str = "chatcmpl", prompt_token_ids: list[int] | None = None,
-                     max_context: int | None = None) -> ChatRun:
+                     max_context: int | None = None,
+                     api_defaults: Mapping[str, Any] | None = None) -> ChatRun:
     """Check `body`, render its messages through the chat template, start the generation.
 
     Every API that produces one assistant turn goes through here (chat completions, and
@@ -58,6 +61,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     ChatCompletionRequest). `prompt_token_ids`: a prompt to use instead of the rendered
     messages (Ollama's raw generate). `max_context`: a client-side context limit below
     the server's (Ollama's num_ctx): the prompt must fit it and the output stops at it.
+    `api_defaults`: the API's own defaults of unset sampling fields (build_sampling_params).
     Errors are 400 APIErrors naming chat's field names.
     """
     check_common(state, body, body.unsupported_field())
@@ -70,7 +74,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     try:
         params = build_sampling_params(state, body, logprobs=num_top if body.logprobs else None,
-                                       structured_outputs=structured_outputs)
+                                       structured_outputs=structured_outputs,
+                                       api_defaults=api_defaults)
     except Exception as exc:
         if getattr(exc, "param", None) == "logprobs":
             exc.param = "top_logprobs"  # chat's name for the number of alternatives

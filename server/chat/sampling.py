@@ -4,7 +4,8 @@ generation shares, SamplingParams, prompt checks, request ids and usage."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import Request
 
@@ -65,8 +66,13 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    api_defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams; a bad value is a 400 naming its field."""
+    """The request's SamplingParams; a bad value is a 400 naming its field.
+
+    A sampling field the request leaves unset takes the server's default
+    (state.sampling_defaults: the owner's, then the model's generation config), else the
+    API's own (`api_defaults`), else the neutral value (engine/sampling_defaults.py)."""
     max_logprobs = state.limits.max_logprobs
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and value > max_logprobs:
@@ -84,6 +90,14 @@ def build_sampling_params(
             except ValueError:
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}.",
                                   "logit_bias", "invalid_value") from None
+    defaults = state.sampling_defaults
+
+    def value(name: str, given, neutral):
+        if given is not None:
+            return given
+        default = defaults.value(name, api_defaults)
+        return neutral if default is None else default
+
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -95,16 +109,16 @@ def build_sampling_params(
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=value("temperature", body.temperature, 1.0),
+            top_p=value("top_p", body.top_p, 1.0),
+            top_k=value("top_k", body.top_k, 0),
+            min_p=value("min_p", body.min_p, 0.0),
             seed=body.seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", body.repetition_penalty, 1.0),
             logit_bias=logit_bias,
-            max_tokens=max_tokens,
+            max_tokens=value("max_tokens", max_tokens, None),
             min_tokens=body.min_tokens,
             stop=stop,
             stop_token_ids=stop_token_ids,
@@ -129,6 +143,14 @@ def check_prompts(state: ServerState, prompts: Sequence[list[int]], params: Samp
     when the request used it).
     """
     engine = state.engine
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if requested is None and params.max_tokens is not None and prompts:
+        # A default cap (--max-tokens-default, the model's max_new_tokens), not the
+        # request's own: it shrinks to the room the longest prompt leaves instead of
+        # refusing the prompt. Example: context 2048, cap 512, a 1800-token prompt -> 248.
+        room = engine.max_model_len - max(len(p) for p in prompts)
+        params.max_tokens = min(params.max_tokens, room) if room >= 1 else None
     for prompt_token_ids in prompts:
         try:
             check_prompt(prompt_token_ids, params, engine.max_model_len, engine.vocab_size)

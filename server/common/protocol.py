@@ -418,6 +418,9 @@ class ModelCard(OpenAIResponse):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    # What unset sampling fields take on this server (the owner's and the model's
+    # defaults: --generation-config, --override-generation-config, --max-tokens-default).
+    sampling_defaults: dict[str, float | int] = Field(default_factory=dict)
 
 
 class ModelList(OpenAIResponse):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.sampling_defaults import SamplingDefaults
 from engine.xray_schema import XrayLimits
 from server.common.lifecycle import Lifecycle, ServerLimits
 from server.common.metrics import ServerMetrics
@@ -37,6 +38,9 @@ class ServerState:
     scheduling_policy: str = "fcfs"  # "priority": requests' `priority` field orders them
     # Extra end-of-sequence ids (e.g. from generation_config) added to every request.
     extra_stop_token_ids: list[int] = field(default_factory=list)
+    # What a request's unset sampling fields take (--generation-config,
+    # --override-generation-config, --max-tokens-default; engine/sampling_defaults.py).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     limits: ServerLimits = field(default_factory=ServerLimits)
     # Admission, deadlines and the shutdown drain (built from `limits` if not given).

@@ -57,6 +57,7 @@ from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_c
 from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
 from engine.model_loader.resources import load_model_resources
+from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
 from server.chat.tool_parsers import TOOL_CALL_PARSERS, parser_for_model_type
 from server.common.lifecycle import ServerLimits
@@ -279,6 +280,17 @@ class APIServer:
         host, port = self.socket.getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+    def sampling_defaults(self, generation_config: dict[str, Any]) -> SamplingDefaults:
+        """This server's sampling defaults (logged once; the model's generation config
+        read by load_model_resources)."""
+        model = self.engine_config.model_config
+        defaults = resolve_sampling_defaults(
+            model.generation_config, generation_config, model.override_generation_config,
+            model.max_tokens_default,
+            model_source=str(Path(self.model_dir) / "generation_config.json"))
+        logger.info("%s", defaults.describe())
+        return defaults
+
     async def start(self) -> None:
         """Bind, load, start the engine. Raises OSError / EngineStartupError."""
         options = self.options
@@ -300,6 +312,7 @@ class APIServer:
                 raise
             try:
                 resources = await resources_load
+                sampling_defaults = self.sampling_defaults(resources.generation_config)
             except BaseException:
                 client.shutdown()
                 raise
@@ -316,7 +329,8 @@ class APIServer:
             engine=engine, tokenizer=resources.tokenizer,
             served_model_names=self.served_model_names, model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
             scheduling_policy=self.engine_config.scheduler_config.policy,
-            extra_stop_token_ids=resources.extra_stop_token_ids, limits=options.limits,
+            extra_stop_token_ids=resources.extra_stop_token_ids,
+            sampling_defaults=sampling_defaults, limits=options.limits,
             health_ping_timeout_s=options.health_ping_timeout_s,
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
             tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),

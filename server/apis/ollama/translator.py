@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from engine.request_output import RequestOutput
+from engine.sampling_defaults import OLLAMA_DEFAULTS
 from server.apis.contract import OneTurnTranslator, TurnRequest
 from server.apis.ollama.protocol import (
     OllamaChatRequest,
@@ -254,7 +255,7 @@ class ChatTranslator(_OllamaTranslator):
             fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.body.tools]
         fields["stream"] = self.body.stream
         return TurnRequest(chat_request(fields), id_prefix="ollama-chat",
-                           max_context=self.max_context())
+                           max_context=self.max_context(), api_defaults=OLLAMA_DEFAULTS)
 
 
 class GenerateTranslator(_OllamaTranslator):
@@ -287,4 +288,5 @@ class GenerateTranslator(_OllamaTranslator):
                                                           True)
             prompt_token_ids = list(body.context) + prompt_token_ids
         return TurnRequest(chat_request(fields), id_prefix="ollama-generate",
-                           prompt_token_ids=prompt_token_ids, max_context=self.max_context())
+                           prompt_token_ids=prompt_token_ids, max_context=self.max_context(),
+                           api_defaults=OLLAMA_DEFAULTS)

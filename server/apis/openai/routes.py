@@ -59,7 +59,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     async def list_models() -> ModelList:
         return ModelList(data=[
             ModelCard(id=name, created=state.created, root=state.model_root,
-                      max_model_len=state.max_model_len)
+                      max_model_len=state.max_model_len,
+                      sampling_defaults=state.sampling_defaults.fields)
             for name in state.served_model_names
         ])
 

@@ -15,6 +15,8 @@ from engine.config import (
     byte_size,
     engine_options,
     fraction,
+    generation_config_source,
+    json_object,
     positive_int,
     speculative_config_json,
 )
@@ -27,7 +29,8 @@ MODEL_SOURCE_DESTS = {"help", "model_tag", "model", "served_model_name"}
 
 # A command-line value of each parser (another than the default).
 SAMPLE_TEXT = {positive_int: "3", int: "3", byte_size: "2M", fraction: "0.5", str: "x",
-               speculative_config_json: '{"method": "suffix"}'}
+               speculative_config_json: '{"method": "suffix"}',
+               generation_config_source: "vllm", json_object: '{"temperature": 0.5}'}
 
 
 @pytest.fixture
