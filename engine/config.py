@@ -205,7 +205,18 @@ class ModelConfig:
         False, "--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA "
         "graphs captured at start-up for batch sizes 1, 2, 4, 8, 16, ... up to "
         "--max-num-seqs.", group="model")
-    # Sampling defaults (engine/frontend/sampling_defaults.py): read by the front ends,
+    # The chat template (engine/model_loader/chat_templates.py): read by the front ends.
+    chat_template: str | None = option(
+        None, "--chat-template", "The chat template: a file, the Jinja text itself, or a "
+        "built-in's name (gemma, llama3, chatml, phi3, mistral). Default: the model's own; "
+        "for a model that carries none, the built-in of its family whose markers are in its "
+        "vocabulary. Checked at start-up.", group="model")
+    chat_template_content_format: str = option(
+        "auto", "--chat-template-content-format", "How message content reaches the "
+        "template: 'string' (the text), 'openai' (a list of {\"type\": \"text\"} parts), "
+        "'auto' (openai for templates that loop over content, else string).", group="model",
+        choices=("auto", "string", "openai"))
+    # Sampling defaults (engine/sampling_defaults.py): read by the front ends,
     # not the engine core.
     generation_config: str = option(
         "auto", "--generation-config", "Where unset sampling fields take their defaults from, "

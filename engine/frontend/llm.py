@@ -54,7 +54,7 @@ class LLM:
         self.model_dir = resolved.path
         config = EngineConfig.from_options(str(resolved.path), **options)
         # The tokenizer and EOS ids, as the server loads them: both stop at the same token.
-        self.resources = load_model_resources(resolved.path)
+        self.resources = load_model_resources(resolved.path, config.model_config.chat_template)
         self.tokenizer = self.resources.tokenizer
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.model_loader.chat_templates import check_chat_template, choose_chat_template
 from engine.model_loader.source import ModelSourceError, resolve_model
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +42,9 @@ class ModelResources:
     extra_stop_token_ids: list[int] = field(default_factory=list)
     # generation_config.json as written ({} without one): sampling defaults for later use.
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # Where tokenizer.chat_template came from (engine/model_loader/chat_templates.py):
+    # "the model's", "built-in gemma (the model has none)", "--chat-template FILE", ...
+    chat_template_source: str = "the model's"
 
     @property
     def chat_template(self) -> str | None:
@@ -98,10 +102,33 @@ def eos_token_ids(generation_config: dict[str, Any], tokenizer_eos: int | None) 
     return ids
 
 
-def load_model_resources(model: str | os.PathLike) -> ModelResources:
-    """The tokenizer, EOS ids and generation config of `model` (see local_model_dir)."""
+def model_type_of(model_dir: Path) -> str | None:
+    """config.json's model_type (None without a readable one)."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return value.get("model_type") if isinstance(value, dict) else None
+
+
+def load_model_resources(model: str | os.PathLike,
+                         chat_template: str | None = None) -> ModelResources:
+    """The tokenizer, chat template, EOS ids and generation config of `model` (see
+    local_model_dir). `chat_template`: --chat-template (a built-in's name, a file or
+    Jinja text). The chosen template is set on the tokenizer and checked; a broken one
+    raises ChatTemplateError. A built-in template's end-of-turn markers stop requests as
+    the model's extra EOS ids do."""
     model_dir = local_model_dir(model)
     tokenizer = _tokenizer_at(model_dir)
+    choice = choose_chat_template(tokenizer, model_type_of(model_dir), chat_template)
+    tokenizer.chat_template = choice.template
+    if choice.template is not None:
+        check_chat_template(tokenizer, choice.template, choice.source)
     generation_config = read_generation_config(model_dir)
     ids = eos_token_ids(generation_config, tokenizer.eos_token_id)
-    return ModelResources(tokenizer, ids[0] if ids else None, ids[1:], generation_config)
+    vocab = tokenizer.get_vocab() if choice.stop_tokens else {}
+    for marker in choice.stop_tokens:
+        if marker in vocab and vocab[marker] not in ids:
+            ids.append(vocab[marker])
+    return ModelResources(tokenizer, ids[0] if ids else None, ids[1:], generation_config,
+                          choice.source)

@@ -68,10 +68,15 @@ def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
     """
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+        raise bad_request("This model has no chat template (and no built-in one fits its "
+                          "vocabulary): start the server with --chat-template, or use "
+                          "/v1/completions.", "messages")
     conversation = []
     for message in messages:
-        turn: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+        text = message_text(message)
+        content: Any = [{"type": "text", "text": text}] \
+            if state.chat_content_format == "openai" else text
+        turn: dict[str, Any] = {"role": message.role, "content": content}
         if message.name:
             turn["name"] = message.name  # for templates that use it
         if message.tool_calls:

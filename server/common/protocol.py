@@ -421,6 +421,9 @@ class ModelCard(OpenAIResponse):
     # What unset sampling fields take on this server (the owner's and the model's
     # defaults: --generation-config, --override-generation-config, --max-tokens-default).
     sampling_defaults: dict[str, float | int] = Field(default_factory=dict)
+    # Where its chat template came from: "the model's", "built-in gemma (the model has
+    # none)", "--chat-template FILE", or "none ..." (chat requests are then a 400).
+    chat_template: str | None = None
 
 
 class ModelList(OpenAIResponse):

@@ -41,6 +41,10 @@ class ServerState:
     # What a request's unset sampling fields take (--generation-config,
     # --override-generation-config, --max-tokens-default; engine/sampling_defaults.py).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Where the chat template came from, and how message content reaches it ("string":
+    # the text; "openai": a list of text parts). engine/model_loader/chat_templates.py.
+    chat_template_source: str = "the model's"
+    chat_content_format: str = "string"
     created: int = field(default_factory=lambda: int(time.time()))
     limits: ServerLimits = field(default_factory=ServerLimits)
     # Admission, deadlines and the shutdown drain (built from `limits` if not given).

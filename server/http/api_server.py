@@ -56,6 +56,7 @@ from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIME
 from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_client
 from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
+from engine.model_loader.chat_templates import content_format
 from engine.model_loader.resources import load_model_resources
 from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
@@ -298,7 +299,8 @@ class APIServer:
         try:
             # The tokenizer and EOS ids load in a thread while the engine core starts.
             resources_load = asyncio.ensure_future(
-                asyncio.to_thread(load_model_resources, self.model_dir))
+                asyncio.to_thread(load_model_resources, self.model_dir,
+                                  self.engine_config.model_config.chat_template))
             try:
                 if self.shared_core is not None:
                     client = await AsyncSharedCoreClient.start(self.shared_core,
@@ -313,6 +315,7 @@ class APIServer:
             try:
                 resources = await resources_load
                 sampling_defaults = self.sampling_defaults(resources.generation_config)
+                logger.info("chat template: %s", resources.chat_template_source)
             except BaseException:
                 client.shutdown()
                 raise
@@ -331,6 +334,10 @@ class APIServer:
             scheduling_policy=self.engine_config.scheduler_config.policy,
             extra_stop_token_ids=resources.extra_stop_token_ids,
             sampling_defaults=sampling_defaults, limits=options.limits,
+            chat_template_source=resources.chat_template_source,
+            chat_content_format=content_format(
+                resources.chat_template,
+                self.engine_config.model_config.chat_template_content_format),
             health_ping_timeout_s=options.health_ping_timeout_s,
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
             tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),

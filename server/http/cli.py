@@ -159,6 +159,7 @@ def _served_name(source, model_dir: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from engine.frontend.core_client import EngineStartupError
+    from engine.model_loader.chat_templates import ChatTemplateError
     from engine.model_loader.source import ModelSourceError, resolve_model
     from server.http.api_server import APIServer, ServeOptions
     from server.http.torch_free import keep_torch_out
@@ -204,6 +205,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except EngineStartupError as exc:
         print(f"error: the engine failed to start: {exc}", file=sys.stderr)
         return 1
+    except ChatTemplateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

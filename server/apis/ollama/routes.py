@@ -98,6 +98,7 @@ def install_routes(app: FastAPI, state: ServerState, auth: list, version: str) -
             raise bad_request("Missing required parameter: 'model'.", "model")
         served_name(state, name)
         facts = model_facts(state.model_root)
+        template = getattr(state.tokenizer, "chat_template", None)  # the built-in one too
         capabilities = ["completion"]
         if state.tool_call_parser is not None:
             capabilities.append("tools")
@@ -105,7 +106,7 @@ def install_routes(app: FastAPI, state: ServerState, auth: list, version: str) -
             capabilities.append("thinking")
         return OllamaShowResponse(
             modelfile="", parameters="",
-            template=getattr(state.tokenizer, "chat_template", None) or "",
+            template=template if isinstance(template, str) else "",
             details=facts.details, capabilities=capabilities, modified_at=facts.modified_at,
             model_info={"general.architecture": facts.details.family,
                         "general.parameter_count": facts.num_parameters,

@@ -60,7 +60,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         return ModelList(data=[
             ModelCard(id=name, created=state.created, root=state.model_root,
                       max_model_len=state.max_model_len,
-                      sampling_defaults=state.sampling_defaults.fields)
+                      sampling_defaults=state.sampling_defaults.fields,
+                      chat_template=state.chat_template_source)
             for name in state.served_model_names
         ])
 
