@@ -168,12 +168,7 @@ def generation_config_source(text: str) -> str:
 
 def speculative_config_json(text: str) -> SpeculativeConfig:
     """vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
+    value = json_object(text)
     try:
         return SpeculativeConfig.from_dict(value)
     except (TypeError, ValueError) as exc:
