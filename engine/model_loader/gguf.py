@@ -517,7 +517,7 @@ def gguf_sampling_defaults(gguf: GGUFFile) -> dict[str, Any]:
 
 
 def _save_generation_config(config, out_dir: Path, extra_eos_ids: list[int],
-                            sampling: dict[str, Any]) -> None:
+                            sampling: dict[str, Any] | None = None) -> None:
     """EOS first, then the end-of-turn ids: the server stops at every one of them; and
     the file's sampling defaults."""
     from transformers import GenerationConfig
