@@ -17,6 +17,14 @@ blocks of 16 output rows (kernels/cpu/quant_blocked.cpp), as the server holds th
 "int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
 layout for comparison. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
 Q8_0 in its GGUF, so int8) instead of the layer.
+
+`--activations int16 int8` compares the few-row kernels' activation precisions
+(PAGEDSERVE_ACTIVATION_PRECISION) in this one process: the precisions alternate call by call
+(ABAB..., `--repeats` rounds, each one pass over the cycled layers), and each cell is the
+median ms per layer of each precision and the median of the rounds' ratios, so that
+another process's load shifts both alike:
+
+    python -m benchmarks.gguf_linears --formats int4 Q4_K --rows 1 8 --activations int16 int8 --repeats 21
 """
 
 from __future__ import annotations
@@ -30,7 +38,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.compare_servers import cpu_flags
 from engine.models.quant import QuantSpec, quantize
-from kernels.cpu_kernels import cpu_kernels
+from kernels.cpu_kernels import (
+    ACTIVATION_PRECISIONS,
+    activation_precision,
+    cpu_kernels,
+    set_activation_precision,
+)
 
 SHAPE_SETS = {
     "layer": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
@@ -97,6 +110,49 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
+def interleaved_ms(fn, precisions: list[str], repeats: int) -> dict[str, list[float]]:
+    """Each precision's ms per call over `repeats` rounds, the precisions alternating
+    within each round (after one warm-up call of each)."""
+    for name in precisions:
+        set_activation_precision(name)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in precisions}
+    for i in range(repeats):
+        order = precisions if i % 2 == 0 else precisions[::-1]  # ABBA: neither always first
+        for name in order:
+            set_activation_precision(name)
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def compare_precisions(ops, args, shapes: dict, dtype, rng) -> None:
+    """The --activations table: few-row ms per layer of each precision, interleaved."""
+    names = args.activations
+    before = activation_precision()
+    print(f"ms per {args.shapes} ({', '.join(shapes)}), few-row kernel, median of {args.repeats} "
+          f"interleaved rounds: {' / '.join(names)}  (ratio {names[-1]} / {names[0]}: median of "
+          f"the rounds' ratios)")
+    for fmt in args.formats:
+        block = 32 if fmt in PACKED else GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0]
+        if any(k % block for _, k in shapes.values()):
+            print(f"{fmt:>13}  skipped: its blocks of {block} do not divide these shapes' K")
+            continue
+        layers = layer_weights(fmt, shapes, rng, args.layers)
+        cells = []
+        for rows in args.rows:
+            xs = {name: torch.randn(rows, k).to(dtype) for name, (_, k) in shapes.items()}
+            times = interleaved_ms(lambda f=fmt, x=xs, ls=layers:
+                                   [run_layer(ops, f, w, x, False) for w in ls], names, args.repeats)
+            medians = [float(np.median(times[n])) / args.layers for n in names]
+            ratio = float(np.median(np.array(times[names[-1]]) / np.array(times[names[0]])))
+            cells.append(f"{rows}: {' / '.join(f'{m:.3f}' for m in medians)} ({ratio:.2f}x)")
+        print(f"{fmt:>13}  " + "   ".join(cells), flush=True)
+    if before is not None:
+        set_activation_precision(before)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "int4", "int8"],
@@ -107,13 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=LAYERS,
                         help="copies of the weights cycled (fewer: a quick check, cached weights)")
+    parser.add_argument("--activations", nargs="+", choices=sorted(ACTIVATION_PRECISIONS),
+                        help="compare these few-row activation precisions, interleaved in this "
+                             "process (default: the kernels' current one, few-row vs tiled)")
     args = parser.parse_args(argv)
     ops = cpu_kernels()
     shapes = SHAPE_SETS[args.shapes]
     dtype = getattr(torch, args.dtype)
-    print(f"CPU flags: {cpu_flags()}; threads {torch.get_num_threads()}; tiles in {args.dtype}")
-    print(f"ms per {args.shapes} ({', '.join(shapes)}), few-row kernel / tiled path:")
+    print(f"CPU flags: {cpu_flags()}; threads {torch.get_num_threads()}; tiles in {args.dtype}; "
+          f"activations {' vs '.join(args.activations or [str(activation_precision())])}")
     rng = np.random.default_rng(0)
+    if args.activations:
+        compare_precisions(ops, args, shapes, dtype, rng)
+        return
+    print(f"ms per {args.shapes} ({', '.join(shapes)}), few-row kernel / tiled path:")
     for fmt in args.formats:
         block = 32 if fmt in PACKED else GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0]
         if any(k % block for _, k in shapes.values()):

@@ -21,6 +21,11 @@ $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
 there afterwards. Where it cannot be built, `paged_attention_kernel()` returns None
 and the backend keeps the torch path. `PAGEDSERVE_CPU_KERNELS=0` turns it off.
 What each kernel is tested against: the table in `kernels/__init__.py`.
+
+The few-row int4/int8/GGUF kernels round the activations per group to int16 or int8
+(`PAGEDSERVE_ACTIVATION_PRECISION=int16|int8`, read when the module is loaded; unset:
+`default_activation_precision()`); `set_activation_precision` changes it in-process
+(benchmarks, tests). See `kernels/cpu/group32_activations.h`.
 """
 
 from __future__ import annotations
@@ -79,13 +84,58 @@ def fused_ops_for(tensor) -> object | None:
 
 def cpu_kernels():
     """The built extension module (`paged_attention`, `int4_linear`,
-    `int8_linear`), or None where it cannot be built or PAGEDSERVE_CPU_KERNELS=0."""
+    `int8_linear`), or None where it cannot be built or PAGEDSERVE_CPU_KERNELS=0.
+    A bad PAGEDSERVE_ACTIVATION_PRECISION raises ValueError here, at start-up."""
     global _kernel
     if not enabled():
         return None
     if _kernel is _UNSET:
+        bits = ACTIVATION_PRECISIONS[activation_precision_from_env()]
         _kernel = _build()
+        if _kernel is not None:
+            _kernel.set_activation_precision(bits)
     return _kernel
+
+
+ACTIVATION_PRECISION_ENV = "PAGEDSERVE_ACTIVATION_PRECISION"
+ACTIVATION_PRECISIONS = {"int16": 16, "int8": 8}  # name -> bits of xq
+
+
+def default_activation_precision() -> str:
+    """The activation precision used where PAGEDSERVE_ACTIVATION_PRECISION is unset:
+    int16 on every CPU for now. int8 costs +0.4% perplexity on the default model and
+    speeds up only the int4 formats' kernels (docs/cpu-kernels.md, "8-bit activations")."""
+    return "int16"
+
+
+def activation_precision_from_env() -> str:
+    """PAGEDSERVE_ACTIVATION_PRECISION ("int16" or "int8"), else this CPU's default."""
+    value = os.environ.get(ACTIVATION_PRECISION_ENV, "").strip().lower()
+    if not value:
+        return default_activation_precision()
+    if value not in ACTIVATION_PRECISIONS:
+        raise ValueError(f"{ACTIVATION_PRECISION_ENV}={value!r}: expected one of "
+                         f"{', '.join(ACTIVATION_PRECISIONS)}")
+    return value
+
+
+def set_activation_precision(name: str) -> None:
+    """Round the few-row kernels' activations to `name` ("int16" / "int8") from the next
+    call on (every thread; a call in flight keeps the precision it started with)."""
+    if name not in ACTIVATION_PRECISIONS:
+        raise ValueError(f"activation precision {name!r}: expected one of {', '.join(ACTIVATION_PRECISIONS)}")
+    module = cpu_kernels()
+    if module is not None:
+        module.set_activation_precision(ACTIVATION_PRECISIONS[name])
+
+
+def activation_precision() -> str | None:
+    """The precision the kernels use now, or None without kernels."""
+    module = cpu_kernels()
+    if module is None:
+        return None
+    bits = module.activation_precision()
+    return next(name for name, b in ACTIVATION_PRECISIONS.items() if b == bits)
 
 
 NAME = "pagedserve_cpu_kernels"

@@ -123,29 +123,31 @@ def paged_attention_ref(
     return out
 
 
-def quantize_activations_ref(x: torch.Tensor, group: int = 32
+def quantize_activations_ref(x: torch.Tensor, group: int = 32, bits: int = 16
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] -> (xq [M, K / group, group] int16 values as float32, dx [M, G], sums [M, G]).
+    """x float32 [M, K] -> (xq [M, K / group, group] integer values as float32, dx [M, G], sums [M, G]).
 
-    Per group: dx = max|x| / 32767, xq = round(x * (1 / dx)) half to even (0 where dx = 0),
-    sums = dx * sum(xq), as `kernels/cpu/quant_linear.cpp` does.
+    Per group: dx = max|x| / L, xq = round(x * (1 / dx)) half to even (0 where dx = 0),
+    sums = dx * sum(xq), as `kernels/cpu/group32_activations.h` does; L = 32767 for 16-bit
+    activations, 127 for 8-bit ones (`bits`, the kernels' PAGEDSERVE_ACTIVATION_PRECISION).
     """
     rows, cols = x.shape
     groups = x.view(rows, cols // group, group)
-    scales = groups.abs().amax(dim=-1) / 32767
+    scales = groups.abs().amax(dim=-1) / (32767 if bits == 16 else 127)
     inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     xq = torch.round(groups * inverse.unsqueeze(-1))
     return xq, scales, scales * xq.sum(dim=-1)
 
 
 def quant_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                     mins: torch.Tensor | None, group: int = 32) -> torch.Tensor:
+                     mins: torch.Tensor | None, group: int = 32, bits: int = 16) -> torch.Tensor:
     """The quantized linear kernels' arithmetic: x float32 [M, K], weight integers
-    q [N, K] (int4: 0..15, int8: signed), scales and mins [N, K / group] (float16) ->
+    q [N, K] (int4: 0..15, int8: signed), scales and mins [N, K / group] (float16),
+    activations rounded to `bits` (16 or 8) ->
 
         out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] sums[m, g]
     """
-    xq, dx, sums = quantize_activations_ref(x, group)
+    xq, dx, sums = quantize_activations_ref(x, group, bits)
     rows, num_groups = dx.shape
     qg = q.float().view(q.shape[0], num_groups, group)
     dots = torch.einsum("mgk,ngk->mng", xq, qg)  # integers, exact in float32

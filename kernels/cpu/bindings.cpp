@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W in int8 groups of 32 (float16 scales).");
   m.def("set_batch_invariant", &set_batch_invariant,
         "int4/int8: every batch size takes the same per-row arithmetic (--batch-invariant).");
+  m.def("set_activation_precision", &set_activation_precision,
+        "Few-row int4/int8/GGUF kernels: round activations to 16 or 8 bits (8: u8 x s8 kernels).");
+  m.def("activation_precision", &activation_precision,
+        "The few-row kernels' activation precision in bits (16 or 8).");
   m.def("gguf_dequantize", &gguf_dequantize, py::call_guard<py::gil_scoped_release>(),
         "GGUF block-format rows [N, row_bytes] (uint8) -> float32 [N, K].");
   m.def("gguf_linear", &gguf_linear, py::call_guard<py::gil_scoped_release>(),

@@ -65,7 +65,9 @@ struct Int16Rows {
   int64_t cols = 0, groups = 0;
 };
 
-Int16Rows quantize_rows(const float* x, int64_t rows, int64_t cols) {
+// `levels`: pagedserve::group32::activation_levels (32767, or 127 for 8-bit activations:
+// the int16 kernels then take int8-valued xq).
+Int16Rows quantize_rows(const float* x, int64_t rows, int64_t cols, float levels) {
   Int16Rows a;
   a.cols = cols;
   a.groups = cols / kSuper;
@@ -77,7 +79,7 @@ Int16Rows quantize_rows(const float* x, int64_t rows, int64_t cols) {
       const float* xg = x + m * cols + g * kSuper;
       float amax = 0.f;
       for (int64_t j = 0; j < kSuper / 32; ++j) amax = std::max(amax, abs_max32(xg + 32 * j));
-      const float scale = amax / 32767.f;
+      const float scale = amax / levels;
       const float inverse = inverse_of(scale);
       for (int64_t j = 0; j < kSuper / 32; ++j)
         a.sum32[(m * cols + g * kSuper) / 32 + j] =
@@ -334,7 +336,8 @@ at::Tensor few_rows(const at::Tensor& x, const uint8_t* weight, int64_t row_byte
   float* op = out.data_ptr<float>();
   if (has_integer_kernel(type)) {
 #if defined(__AVX2__)
-    const Int16Rows a = quantize_rows(xp, rows, cols);
+    const Int16Rows a = quantize_rows(
+        xp, rows, cols, pagedserve::group32::activation_levels(pagedserve::group32::activation_bits()));
     pagedserve::parallel_for(0, num_out, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const uint8_t* wrow = weight + n * row_bytes;

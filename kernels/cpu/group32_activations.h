@@ -1,7 +1,18 @@
-// Shared by the int4/int8 kernels (quant_linear.cpp, quant_blocked.cpp): x rounded to int16
-// per row and group of 32 columns, and float16 scale helpers. The rounding's error bound
-// is worked out at the top of quant_linear.cpp.
+// Shared by the int4/int8 kernels (quant_linear.cpp, quant_blocked.cpp, gguf_linear.cpp): x
+// rounded per row and group of 32 columns to int16 (or int8, see below), and float16 scale
+// helpers. The rounding's error bound is worked out at the top of quant_linear.cpp.
+//
+// Activation precision (PAGEDSERVE_ACTIVATION_PRECISION, set from Python by
+// kernels.cpu_kernels through set_activation_bits): with 16 bits x is rounded to
+// xq = round(x / dx), dx = max |x| / 32767 per group; with 8 bits dx = max |x| / 127 and
+// |xq| <= 127, as llama.cpp's Q8_0 blocks. Every few-row kernel computes the same formula
+// from xq whichever precision; with 8 bits the kernels that have an 8-bit instruction path
+// (quant_blocked.cpp: vpdpbusd / maddubs, four u8 x s8 products per 32-bit lane, twice
+// vpdpwssd's two) store xq as int8 and take it, the others take the int8-valued xq in their
+// int16 code: the same integers, so the same results.
 #pragma once
+
+#include <atomic>
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
@@ -18,6 +29,13 @@
 namespace pagedserve::group32 {
 
 constexpr int64_t kGroup = 32;
+
+// The default where Python sets nothing (the ISA test builds): int16.
+inline std::atomic<int> g_activation_bits{16};
+inline int activation_bits() { return g_activation_bits.load(std::memory_order_relaxed); }
+inline void set_activation_bits(int bits) { g_activation_bits.store(bits == 8 ? 8 : 16); }
+// The largest |xq| of a precision: 32767 (int16) or 127 (int8).
+inline float activation_levels(int bits) { return bits == 8 ? 127.f : 32767.f; }
 
 // Scales and mins are float16 (GGUF's own precision for Q4_0 / Q4_1 / Q8_0).
 inline float half_to_float(uint16_t bits) {
@@ -112,8 +130,9 @@ inline int32_t round32(const float* x, float inverse, int16_t* dst, int64_t run_
 // 1 / scale, or 0 for an all-zero group (scale 0).
 inline float inverse_of(float scale) { return scale > 0.f ? 1.f / scale : 0.f; }
 
+// `levels`: activation_levels(bits); the values are int16 either way (int8-valued with 127).
 inline QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t cols,
-                                          bool pairs, bool transposed) {
+                                          bool pairs, bool transposed, float levels = 32767.f) {
   const int64_t groups = cols / kGroup;
   QuantizedActivations qa;
   qa.stride = pairs ? (groups + 1) / 2 * 2 * kGroup : cols;
@@ -129,7 +148,7 @@ inline QuantizedActivations quantize_activations(const float* x, int64_t rows, i
       int16_t* dst = qa.values.data() + m * qa.stride +
                      (pairs ? (g / 2) * 2 * kGroup + (g % 2) * 8 : g * kGroup);
       const float* xg = x + m * cols + g * kGroup;
-      const float scale = abs_max32(xg) / 32767.f;
+      const float scale = abs_max32(xg) / levels;
       const int32_t sum = round32(xg, inverse_of(scale), dst, pairs ? 16 : 8);
       qa.scales[m * groups + g] = scale;
       qa.sums[m * groups + g] = scale * static_cast<float>(sum);
@@ -137,6 +156,72 @@ inline QuantizedActivations quantize_activations(const float* x, int64_t rows, i
         qa.scales_t[g * rows + m] = qa.scales[m * groups + g];
         qa.sums_t[g * rows + m] = qa.sums[m * groups + g];
       }
+    }
+  return qa;
+}
+
+// xq[k] = round(x[k] * inverse) for 32 values stored as int8 (|xq| <= 127: inverse is
+// 127 / max |x| rounded, and amax * inverse stays below 127.5), returns sum(xq). The same
+// products and rounding as round32, so the int8 values equal round32's int16 ones.
+inline int32_t round32_int8(const float* x, float inverse, int8_t* dst) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 inv = _mm512_set1_ps(inverse);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), inv));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(__AVX2__)
+  const __m256 inv = _mm256_set1_ps(inverse);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inv));
+  // packs work per 128-bit half: bytes [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | q0 4-7, ...];
+  // the dword permutation (0 4 1 5 2 6 3 7) puts them back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+#else
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const float v = std::nearbyint(x[k] * inverse);
+    const int8_t q = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    dst[k] = q;
+    sum += q;
+  }
+  return sum;
+#endif
+}
+
+// x [M, K] float32 rounded to int8 per row and group of 32 (the 8-bit kernels' input):
+// values [M, K] in natural order, dx [M, G], sums [M, G] = dx * sum(xq) as above, and
+// with `offset` each value stored as xq + 128 (uint8; the bytes xor 0x80): the unsigned
+// side of u8 x s8 products against signed int8 weights.
+struct Int8Activations {
+  std::vector<int8_t> values;
+  std::vector<float> scales, sums;
+};
+
+inline Int8Activations quantize_activations_int8(const float* x, int64_t rows, int64_t cols,
+                                                 bool offset = false) {
+  const int64_t groups = cols / kGroup;
+  Int8Activations qa;
+  qa.values.resize(rows * cols);
+  qa.scales.resize(rows * groups);
+  qa.sums.resize(rows * groups);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + m * cols + g * kGroup;
+      int8_t* dst = qa.values.data() + m * cols + g * kGroup;
+      const float scale = abs_max32(xg) / activation_levels(8);
+      const int32_t sum = round32_int8(xg, inverse_of(scale), dst);
+      if (offset)
+        for (int64_t k = 0; k < kGroup; ++k) dst[k] = static_cast<int8_t>(dst[k] ^ 0x80);
+      qa.scales[m * groups + g] = scale;
+      qa.sums[m * groups + g] = scale * static_cast<float>(sum);
     }
   return qa;
 }

@@ -16,6 +16,10 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
 void set_batch_invariant(bool enabled);
+// The few-row kernels' activation precision, 16 or 8 bits (group32_activations.h): every
+// int4/int8/GGUF few-row call reads it when it starts.
+void set_activation_precision(int64_t bits);
+int64_t activation_precision();
 // quant_blocked.cpp (int4 / int8 in blocks of 16 output rows: uint8 [N / 16, K / 32, 256]
 // / int8 [N / 16, K / 32, 512]; is_blocked tells them from quant_linear.cpp's layouts)
 bool is_blocked(const at::Tensor& packed);

@@ -38,6 +38,21 @@
 // (int8: no mins term). Each (m, n) takes the same instructions in the same order
 // whatever the batch: the kernel is batch invariant. Reference:
 // kernels.reference.quant_linear_ref.
+//
+// 8-bit activations (activation_bits() == 8, group32_activations.h): x rounded to int8
+// per group (dx = max |x| / 127), the same formula. A quad's four columns of one output row
+// become one 32-bit lane of four bytes, so one u8 x s8 instruction (vpdpbusd with VNNI,
+// else maddubs + madd) takes all four products of each of 16 (zmm) or 8 (ymm) rows, where
+// the int16 path needs two vpdpwssd and two widenings of the weights:
+//   int4: lane j = (q[j, 4t], q[j, 4t + 1], q[j, 4t + 2], q[j, 4t + 3]) unsigned (0..15)
+//         against x's four int8 values broadcast: the weights are the unsigned side, and
+//         the min term (mins * dx * sum(xq)) is unchanged;
+//   int8: the same lanes of signed weights against x + 128 (unsigned, 1..255, the bytes of
+//         xq xor 0x80): sum (xq + 128) q = sum xq q + 128 sum q, and sum q (per lane and
+//         group, one vpdpbusd of the weights against bytes of 1) is subtracted, exactly.
+// Bounds are above each kernel. int8 weights without VNNI (maddubs would saturate: 2 * 255 *
+// 127 > 32767) and the portable build take the int16 code with the int8-valued xq: the same
+// integers, the same results.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -45,6 +60,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "group32_activations.h"
@@ -227,6 +243,276 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
 }
 #endif
 
+// ---- 8-bit activations (see the header) ----
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#define PAGEDSERVE_X8_INT4 1
+#if defined(__AVX512VNNI__)
+#define PAGEDSERVE_X8_INT8 1
+#endif
+
+// Quad t of an int4 group as 16 lanes x 4 uint8 (q[j, 4t], .., q[j, 4t + 3]). Word j of
+// the quad's 32 bytes holds q[4t] | q[4t + 2] << 4 | q[4t + 1] << 8 | q[4t + 3] << 12;
+// zero-extended to 32 bits (v), (v | v << 12) & 0x0F0F0F0F has q[4t] in byte 0, q[4t + 1]
+// in byte 1 (both from v), q[4t + 2] in byte 2 and q[4t + 3] in byte 3 (from v << 12).
+// Example, bytes 0x31 0x42 (q = 1, 2, 3, 4): v = 0x4231, v | v << 12 = 0x04235231,
+// masked 0x04030201: bytes 1, 2, 3, 4.
+inline __m512i int4_quad_u8(const uint8_t* bytes, int t) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * t)));
+  return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x0F0F0F0F));
+}
+
+#if defined(__AVX512VNNI__)
+// acc + the four u8 x s8 products of each 32-bit lane (vpdpbusd). Written as an asm
+// statement that accumulates in place: with the intrinsic, GCC 12 copies each of 8 rows'
+// accumulators to another register and back around every vpdpbusd (16 extra moves per quad).
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, u, s);
+#endif
+}
+#endif
+
+#if defined(PAGEDSERVE_X8_INT8)
+// Quad t of an int8 group as 16 lanes x 4 int8: word j of the first 32 bytes is (q[j, 4t],
+// q[j, 4t + 1]), word j of the next 32 (q[j, 4t + 2], q[j, 4t + 3]); one vpermw puts the
+// two words of lane j side by side.
+inline __m512i int8_quad_s8(const uint8_t* bytes, int t, __m512i words_to_lanes) {
+  return _mm512_permutexvar_epi16(words_to_lanes, _mm512_loadu_si512(bytes + 64 * t));
+}
+#endif
+
+// block_rows with int8 activations, 16 lanes per zmm.
+// Bounds per lane and group (32 products): int4 with VNNI |sum| <= 32 * 15 * 127 = 60,960;
+// int4 without VNNI, maddubs gives int16 pairs of at most 2 * 15 * 127 = 3,810 (no
+// saturation), the 8 quads' pairs summed in int16 at most 8 * 3,810 = 30,480 < 32,767, one
+// madd by 1 makes them int32; int8 (VNNI only) |sum (xq + 128) q| <= 32 * 255 * 128 =
+// 1,044,480 and |128 sum q| <= 524,288: all far inside int32.
+template <bool kInt8, int R>
+void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+                   int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
+                   int64_t out_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+#if defined(PAGEDSERVE_X8_INT8)
+  alignas(64) int16_t interleave[32];
+  for (int j = 0; j < 16; ++j) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
+  const __m512i words_to_lanes = _mm512_load_si512(interleave);
+  const __m512i ones_u8 = _mm512_set1_epi8(1);
+#endif
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // x's four bytes of quad t, row r: one int32, broadcast.
+    auto x4 = [&](int r, int t) {
+      return _mm512_set1_epi32(
+          reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup)[t]);
+    };
+#if defined(PAGEDSERVE_X8_INT8)
+    if (kInt8) {
+      __m512i wsum = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = int8_quad_s8(bytes, t, words_to_lanes);
+        wsum = dpbusd(wsum, ones_u8, w);
+        for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], x4(r, t), w);
+      }
+      const __m512i offset = _mm512_slli_epi32(wsum, 7);  // 128 sum q
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(dot[r], offset);
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = int4_quad_u8(bytes, t);
+        for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], w, x4(r, t));
+      }
+    }
+#else
+    static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
+    __m512i pairs[R];
+    for (int r = 0; r < R; ++r) pairs[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      const __m512i w = int4_quad_u8(bytes, t);
+      for (int r = 0; r < R; ++r)
+        pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(w, x4(r, t)));
+    }
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_madd_epi16(pairs[r], _mm512_set1_epi16(1));
+#endif
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(scales + g * kLanes)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+    }
+    if (!kInt8) {
+      const __m512 lowest = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(mins + g * kLanes)));
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * out_stride, acc[r]);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define PAGEDSERVE_X8_INT4 1
+#if defined(__AVXVNNI__)
+#define PAGEDSERVE_X8_INT8 1
+#endif
+
+// int4_quad_u8 on 256-bit vectors: w[h] = lanes 8h .. 8h + 7 (the quad's bytes 16h ..).
+inline void int4_quad_u8(const uint8_t* bytes, int t, __m256i w[2]) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F0F0F0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 32 * t + 16 * h)));
+    w[h] = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), low4);
+  }
+}
+
+#if defined(PAGEDSERVE_X8_INT8)
+// int8_quad_s8 on 256-bit vectors. unpacklo/hi_epi16 of the two 32-byte halves work per
+// 128-bit half, so w[0] holds lanes 0-3 | 8-11 and w[1] lanes 4-7 | 12-15: the kernel keeps
+// that order and puts the lanes back once per block (permute2f128).
+inline void int8_quad_s8(const uint8_t* bytes, int t, __m256i w[2]) {
+  const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * t));
+  const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * t + 32));
+  w[0] = _mm256_unpacklo_epi16(first, second);
+  w[1] = _mm256_unpackhi_epi16(first, second);
+}
+#endif
+
+// block_rows with int8 activations, 8 lanes per ymm, AVX-VNNI (vpdpbusd on ymm) or AVX2
+// maddubs + madd. Bounds as the zmm kernel's: int4 32 * 15 * 127 = 60,960 per lane and
+// group; maddubs pairs <= 3,810 and 8 quads of them <= 30,480 in int16; int8 (AVX-VNNI only)
+// |sum (xq + 128) q| <= 1,044,480.
+template <bool kInt8, int R>
+void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+                   int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
+                   int64_t out_stride) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
+    __m256i dot[R][2];
+    auto x4 = [&](int r, int t) {
+      return _mm256_set1_epi32(
+          reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup)[t]);
+    };
+#if defined(PAGEDSERVE_X8_INT8)
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    if (kInt8) {
+      const __m256i ones_u8 = _mm256_set1_epi8(1);
+      __m256i wsum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int t = 0; t < 8; ++t) {
+        __m256i w[2];
+        int8_quad_s8(bytes, t, w);
+        for (int h = 0; h < 2; ++h) wsum[h] = _mm256_dpbusd_avx_epi32(wsum[h], ones_u8, w[h]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = x4(r, t);
+          for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], x, w[h]);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i offset = _mm256_slli_epi32(wsum[h], 7);  // 128 sum q
+        for (int r = 0; r < R; ++r) dot[r][h] = _mm256_sub_epi32(dot[r][h], offset);
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        __m256i w[2];
+        int4_quad_u8(bytes, t, w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = x4(r, t);
+          for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], w[h], x);
+        }
+      }
+    }
+#else
+    static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
+    __m256i pairs[R][2];
+    for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      __m256i w[2];
+      int4_quad_u8(bytes, t, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = x4(r, t);
+        for (int h = 0; h < 2; ++h)
+          pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_maddubs_epi16(w[h], x));
+      }
+    }
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones16);
+#endif
+    __m256 scale[2] = {
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes))),
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes + 8)))};
+    if (kInt8) {  // the lane order of int8_quad_s8: 0-3 | 8-11 and 4-7 | 12-15
+      const __m256 natural[2] = {scale[0], scale[1]};
+      scale[0] = _mm256_permute2f128_ps(natural[0], natural[1], 0x20);
+      scale[1] = _mm256_permute2f128_ps(natural[0], natural[1], 0x31);
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * groups + g;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                                    _mm256_mul_ps(scale[h], _mm256_set1_ps(a.scales[at])), acc[r][h]);
+      }
+    if (!kInt8)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 lowest = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kLanes + 8 * h)));
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
+                                      acc[r][h]);
+      }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* o = out + (m0 + r) * out_stride;
+    if (kInt8) {
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
+    } else {
+      _mm256_storeu_ps(o, acc[r][0]);
+      _mm256_storeu_ps(o + 8, acc[r][1]);
+    }
+  }
+}
+#endif
+
+#if defined(PAGEDSERVE_X8_INT4)
+constexpr bool kX8Int4 = true;
+#else
+constexpr bool kX8Int4 = false;
+#endif
+#if defined(PAGEDSERVE_X8_INT8)
+constexpr bool kX8Int8 = true;
+#else
+constexpr bool kX8Int8 = false;
+#endif
+// Whether this build has an 8-bit-activation kernel for the format.
+template <bool kInt8>
+constexpr bool kHasX8Kernel = kInt8 ? kX8Int8 : kX8Int4;
+
+// The passes over one block's rows: 8 at a time, the rest in one pass (a block's weights
+// are widened once per pass, so 3 rows in one pass cost about one row's loads, not three).
+// `pass` is called as pass(std::integral_constant<int, R>{}, m0).
+template <typename Pass>
+inline void row_passes(int64_t rows, const Pass& pass) {
+  int64_t m0 = 0;
+  for (; m0 + 8 <= rows; m0 += 8) pass(std::integral_constant<int, 8>{}, m0);
+  switch (rows - m0) {
+    case 7: pass(std::integral_constant<int, 7>{}, m0); break;
+    case 6: pass(std::integral_constant<int, 6>{}, m0); break;
+    case 5: pass(std::integral_constant<int, 5>{}, m0); break;
+    case 4: pass(std::integral_constant<int, 4>{}, m0); break;
+    case 3: pass(std::integral_constant<int, 3>{}, m0); break;
+    case 2: pass(std::integral_constant<int, 2>{}, m0); break;
+    case 1: pass(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
 // out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else nullptr).
 template <bool kInt8>
 at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
@@ -236,32 +522,38 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
   const int64_t rows = x.size(0), num_out = blocks * kLanes;
-  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, cols,
-                                                      /*pairs=*/false, /*transposed=*/false);
+  const int bits = activation_bits();  // once per call: a switch mid-call does not split it
   at::Tensor out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   constexpr int64_t bytes = kBytesPerGroup<kInt8>;
+  // Block b's weights, scales, mins (int4) and outputs.
+  auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
+  auto block_s = [&](int64_t b) { return s + b * groups * kLanes; };
+  auto block_m = [&](int64_t b) { return kInt8 ? nullptr : mn + b * groups * kLanes; };
+  if constexpr (kHasX8Kernel<kInt8>) {
+    if (bits == 8) {
+      const Int8Activations a = quantize_activations_int8(x.data_ptr<float>(), rows, cols,
+                                                          /*offset=*/kInt8);
+      pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          row_passes(rows, [&](auto r, int64_t m0) {
+            block_rows_x8<kInt8, decltype(r)::value>(block_w(b), block_s(b), block_m(b), groups, a,
+                                                     cols, m0, op + b * kLanes, num_out);
+          });
+        }
+      });
+      return out;
+    }
+  }
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, cols,
+                                                      /*pairs=*/false, /*transposed=*/false,
+                                                      activation_levels(bits));
   pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = w + b * groups * bytes;
-      const uint16_t* bs = s + b * groups * kLanes;
-      const uint16_t* bm = kInt8 ? nullptr : mn + b * groups * kLanes;
-      float* o = op + b * kLanes;
-      // Rows 8 at a time, the rest in one pass: a block's weights are widened once per
-      // pass, so 3 rows in one pass cost about one row's loads, not three.
-      int64_t m0 = 0;
-      for (; m0 + 8 <= rows; m0 += 8)
-        block_rows<kInt8, 8>(block, bs, bm, groups, a, cols, m0, o, num_out);
-      switch (rows - m0) {
-        case 7: block_rows<kInt8, 7>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 6: block_rows<kInt8, 6>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 5: block_rows<kInt8, 5>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 4: block_rows<kInt8, 4>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 3: block_rows<kInt8, 3>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 2: block_rows<kInt8, 2>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        case 1: block_rows<kInt8, 1>(block, bs, bm, groups, a, cols, m0, o, num_out); break;
-        default: break;
-      }
+      row_passes(rows, [&](auto r, int64_t m0) {
+        block_rows<kInt8, decltype(r)::value>(block_w(b), block_s(b), block_m(b), groups, a, cols,
+                                              m0, op + b * kLanes, num_out);
+      });
     }
   });
   return out;

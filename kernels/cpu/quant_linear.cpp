@@ -308,8 +308,10 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
 #else
   const bool pairs = false, blocks_of_8 = false;
 #endif
-  const QuantizedActivations qa =
-      quantize_activations(x.data_ptr<float>(), rows, cols, pairs, blocks_of_8);
+  // With 8-bit activations (group32_activations.h) this file's int16 code takes the
+  // int8-valued xq: the same results as an 8-bit kernel would give.
+  const QuantizedActivations qa = quantize_activations(
+      x.data_ptr<float>(), rows, cols, pairs, blocks_of_8, activation_levels(activation_bits()));
   auto out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   // Rows in full blocks of 8 (dot_8rows) when blocks_of_8; the rest row block by row block.
@@ -357,6 +359,13 @@ at::Tensor quant_linear(const at::Tensor& x, const uint8_t* weight, int64_t row_
 }  // namespace
 
 void set_batch_invariant(bool enabled) { g_batch_invariant.store(enabled); }
+
+void set_activation_precision(int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 16, "activation precision must be 8 or 16 bits, not ", bits);
+  set_activation_bits(static_cast<int>(bits));
+}
+
+int64_t activation_precision() { return activation_bits(); }
 
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                           at::Tensor mins) {
