@@ -122,7 +122,7 @@ def build_sampling_params(
             min_tokens=body.min_tokens,
             stop=stop,
             stop_token_ids=stop_token_ids,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

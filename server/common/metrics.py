@@ -49,6 +49,9 @@ same labels, so each exposes the same series).
 
 from __future__ import annotations
 
+import re
+import time
+
 import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -127,11 +130,12 @@ def failure_reason(exc: BaseException) -> str | None:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, multiprocess: bool = False):
+    def __init__(self, model_name: str, multiprocess: bool = False, names: str = "both"):
         """`multiprocess`: one of several API server processes (see the module doc);
         needs PROMETHEUS_MULTIPROC_DIR in the environment before prometheus_client
-        is imported."""
+        is imported. `names`: "pagedserve", "vllm" or "both" (--metrics-names)."""
         self.model_name = model_name
+        self.names = names
         self.registry = CollectorRegistry()  # what /metrics renders
         labels = ["model_name"]
         # The registry the metrics join: with several processes their values live in
@@ -391,8 +395,70 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- export
     def render(self) -> tuple[bytes, str]:
-        """The exposition text (classic text format 0.0.4) and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+        """The exposition text (classic text format 0.0.4) and its content type: our
+        names, vLLM's (`vllm:*`, see with_vllm_names) or both (--metrics-names)."""
+        text = generate_latest(self.registry).decode()
+        if self.names != "pagedserve":
+            text = with_vllm_names(text, self.model_name, keep_ours=self.names == "both")
+        return text.encode(), CONTENT_TYPE_PLAIN_0_0_4
+
+
+# The families vLLM exposes with the same meaning as ours (vLLM's metrics catalogue):
+# routers and the vLLM dashboards read these under `vllm:` (llm-d's endpoint picker:
+# num_requests_waiting, kv_cache_usage_perc, cache_config_info, lora_requests_info).
+VLLM_FAMILIES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+    "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "request_time_per_output_token_seconds",
+    "iteration_tokens_total", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "cache_config",
+})
+_SAMPLE_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "")
+_NUM_BLOCKS_LABEL = re.compile(r'num_blocks="(\d*)"')
+
+
+def _vllm_family(name: str) -> str | None:
+    """The VLLM_FAMILIES entry a sample or family name (ours, prefixed) belongs to.
+    Example: pagedserve:prompt_tokens_total -> prompt_tokens; pagedserve:
+    iteration_tokens_total_bucket -> iteration_tokens_total."""
+    if not name.startswith(PREFIX):
+        return None
+    bare = name[len(PREFIX):]
+    for suffix in _SAMPLE_SUFFIXES:
+        if bare.endswith(suffix) and bare[: len(bare) - len(suffix)] in VLLM_FAMILIES:
+            return bare[: len(bare) - len(suffix)]
+    return None
+
+
+def with_vllm_names(text: str, model_name: str, keep_ours: bool = True) -> str:
+    """An exposition with each VLLM_FAMILIES family also (or, without `keep_ours`, only)
+    under `vllm:`, the same values; `vllm:cache_config_info` also carries vLLM's
+    num_gpu_blocks label, and `vllm:lora_requests_info` says no adapters are loaded
+    (max_lora 0). Example: `pagedserve:num_requests_waiting{model_name="m"} 3.0` ->
+    that line and `vllm:num_requests_waiting{model_name="m"} 3.0`."""
+    ours, theirs = [], []
+    for line in text.splitlines():
+        name = line.split(" ", 3)[2] if line.startswith("# ") else \
+            line.split("{", 1)[0].split(" ", 1)[0]
+        if _vllm_family(name) is None:
+            ours.append(line)
+            continue
+        if keep_ours:
+            ours.append(line)
+        copy = line.replace(PREFIX, "vllm:", 1)
+        if _vllm_family(name) == "cache_config" and not line.startswith("# "):
+            copy = _NUM_BLOCKS_LABEL.sub(lambda m: f'{m.group(0)},num_gpu_blocks="{m.group(1)}"',
+                                         copy, count=1)
+        theirs.append(copy)
+    lora = (f'vllm:lora_requests_info{{max_lora="0",model_name="{model_name}",'
+            f'running_lora_adapters="",waiting_lora_adapters=""}} {time.time():.1f}')
+    theirs += ["# HELP vllm:lora_requests_info Running stats on LoRA requests (none: no "
+               "adapters are loaded).", "# TYPE vllm:lora_requests_info gauge", lora]
+    return "\n".join(ours + theirs) + "\n"
 
 
 def finish_reason(output: RequestOutput) -> str:

@@ -143,6 +143,21 @@ class SamplingFields(OpenAIRequest):
     guided_choice: list[str] | None = Field(
         None, description="Alias of structured_outputs.choice.")
     guided_grammar: str | None = Field(None, description="Alias of structured_outputs.grammar.")
+    # SGLang's dialect, which routers in front of vLLM (vllm-router) add to every request
+    # they forward: honoured, or a 400 naming the field where it asks for what this
+    # server does not do (see `dialect_unsupported`).
+    no_stop_trim: bool = Field(
+        False, description="SGLang's name: true keeps the matched stop string in the "
+        "output, as include_stop_str_in_output does.")
+    return_hidden_states: bool = Field(False, description="SGLang's; only false is supported.")
+
+    def dialect_unsupported(self) -> tuple[str, str] | None:
+        """The first field of another dialect whose value asks for something this server
+        does not do; other dialects' fields at their defaults are accepted (a router adds
+        them to every request), and an unknown field is still a 400."""
+        if self.return_hidden_states:
+            return "return_hidden_states", "return_hidden_states is not supported."
+        return None
 
 
 # ---------------------------------------------------------------- completions
@@ -158,6 +173,8 @@ class CompletionRequest(SamplingFields):
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported."
+        if (dialect := self.dialect_unsupported()) is not None:
+            return dialect
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of ({self.best_of}) different from n ({self.n}) is not supported."
         return None
@@ -275,10 +292,24 @@ class ChatCompletionRequest(SamplingFields):
                           "{'enable_thinking': false}.")
     functions: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if set).")
     function_call: str | dict[str, Any] | None = Field(None, description="Not supported.")
+    # vLLM's and SGLang's chat extras that routers forward at their defaults.
+    continue_final_message: bool = Field(False, description="vLLM's; only false is supported.")
+    include_reasoning: bool = Field(
+        True, description="vLLM's; only true is supported (reasoning_content with "
+        "--reasoning-parser).")
+    separate_reasoning: bool = Field(True, description="SGLang's; only true is supported.")
+    stream_reasoning: bool = Field(True, description="SGLang's; only true is supported.")
 
     def unsupported_field(self) -> tuple[str, str] | None:
         if self.functions:
             return "functions", "functions are not supported."
+        if (dialect := self.dialect_unsupported()) is not None:
+            return dialect
+        for name in ("include_reasoning", "separate_reasoning", "stream_reasoning"):
+            if not getattr(self, name):
+                return name, f"{name} false is not supported."
+        if self.continue_final_message:
+            return "continue_final_message", "continue_final_message is not supported."
         if self.function_call is not None:
             return "function_call", "function_call is not supported."
         for i, message in enumerate(self.messages):
@@ -440,6 +471,8 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="For `prompt`: add BOS etc.")
     add_generation_prompt: bool = Field(True, description="For `messages`.")
+    # vLLM's; vllm-router sends it (false) when it tokenizes a chat for cache-aware routing.
+    continue_final_message: bool = Field(False, description="vLLM's; only false is supported.")
 
 
 class TokenizeResponse(OpenAIResponse):

@@ -106,6 +106,11 @@ class ServeOptions:
         None, "--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
         "comma-separated list (e.g. '[\"*\"]'). Default: none (no CORS headers).",
         group="server", type=origins_list, default_factory=list)
+    metrics_names: str = option(
+        "both", "--metrics-names", "Names on /metrics: 'pagedserve' (pagedserve:*), 'vllm' "
+        "(the families vLLM has, as vllm:*, for routers and dashboards built for vLLM: "
+        "num_requests_waiting, kv_cache_usage_perc, cache_config_info, lora_requests_info, "
+        "...), or 'both'.", group="observability", choices=("both", "pagedserve", "vllm"))
     log_level: str = option("info", "--log-level", "Log level.", group="observability",
                             choices=("debug", "info", "warning", "error"))
     engine_mode: Literal["process", "thread"] = "process"
@@ -320,7 +325,8 @@ class APIServer:
                 client.shutdown()
                 raise
             metrics = ServerMetrics(self.served_model_names[0],
-                                    multiprocess=self.shared_core is not None)
+                                    multiprocess=self.shared_core is not None,
+                                    names=options.metrics_names)
             engine = AsyncEngine.from_client(client, resources.tokenizer,
                                              eos_token_id=resources.eos_token_id,
                                              observer=metrics)

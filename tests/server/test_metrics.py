@@ -57,8 +57,10 @@ from tests.support.server_fixtures import serving
 
 
 def exposed_names_problems(samples: Samples, types: dict[str, str]) -> list[str]:
-    """How an exposition differs from tests/support/deploy_exprs.METRICS (names, types, labels)."""
+    """How an exposition's pagedserve:* series differ from tests/support/deploy_exprs.METRICS
+    (names, types, labels); the vllm:* copies are checked by test_vllm_names_*."""
     problems = []
+    samples = {key: v for key, v in samples.items() if not key[0].startswith("vllm:")}
     names = {name for name, _ in samples}
     allowed = set()
     for metric, kind in dx.METRICS.items():
@@ -117,6 +119,40 @@ def test_exposition_names_types_and_labels_match_the_catalogue():
     labels = next(dict(ls) for (n, ls) in samples if n == p("cache_config_info"))
     assert labels["block_size"] == "16" and labels["enable_prefix_caching"] == "true"
     assert labels["num_tokens"] == "128" and labels["kv_cache_memory_bytes"] == ""
+
+
+def test_vllm_names_copy_the_families_vllm_has_with_the_same_values():
+    metrics = ServerMetrics("m")
+    metrics.set_cache_config(
+        metrics_module.CacheConfig(block_size=16, num_gpu_blocks_override=8),
+        KVCacheInfo(num_blocks=8, block_size=16, max_model_len=64, vocab_size=10))
+    metrics.record_request_failure("validation")
+    metrics.num_requests_waiting.set(3)
+    samples, types = parse(metrics.render()[0].decode())
+    vllm = {(n, ls): v for (n, ls), v in samples.items() if n.startswith("vllm:")}
+    for (name, labels), v in vllm.items():
+        if name in ("vllm:lora_requests_info", "vllm:cache_config_info"):
+            continue
+        assert samples[("pagedserve:" + name[len("vllm:"):], labels)] == v, name
+    assert value(samples, "vllm:num_requests_waiting") == 3
+    # The families the routers and vLLM's dashboards read, under vLLM's names.
+    for family in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                   "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits",
+                   "vllm:time_to_first_token_seconds", "vllm:cache_config_info",
+                   "vllm:lora_requests_info"):
+        assert family in types, family
+    info = next(dict(ls) for (n, ls) in vllm if n == "vllm:cache_config_info")
+    assert (info["num_gpu_blocks"], info["block_size"]) == ("8", "16")
+    lora = next(dict(ls) for (n, ls) in vllm if n == "vllm:lora_requests_info")
+    assert lora["max_lora"] == "0" and lora["running_lora_adapters"] == ""
+    # Ours only, or vLLM's only.
+    metrics.names = "pagedserve"
+    assert "vllm:" not in metrics.render()[0].decode()
+    metrics.names = "vllm"
+    only = parse(metrics.render()[0].decode())[0]
+    assert not any(n.startswith("pagedserve:num_requests") for n, _ in only)
+    assert ("pagedserve:request_failure_total", (("model_name", "m"), ("reason", "validation"))) \
+        in only  # a family vLLM has no counterpart of stays under our name
 
 
 def test_catalogue_checker_catches_a_wrong_name():

@@ -1,0 +1,143 @@
+"""Routers people run in front of vLLM route pagedserve unchanged (issue 43, item 1).
+
+vllm-router (PyPI `vllm-router`, its Rust binary) with the cache_aware policy in front of
+two real replicas of a tiny model: it adds SGLang's and vLLM's extras to every body it
+forwards (no_stop_trim, separate_reasoning, stream_reasoning, return_hidden_states,
+continue_final_message, include_reasoning) and tokenizes chats through /tokenize. Those
+fields at their defaults are accepted; a value that asks for something this server does
+not do is a 400 naming the field; an unknown field is still a 400.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sysconfig
+import time
+
+import httpx
+import pytest
+
+from tests.support.model_fixtures import build_tiny_checkpoint
+from tests.support.server_fixtures import ServerProcess, serving
+
+# The binary the [test] extra installs beside this interpreter (PATH may not hold it).
+ROUTER = shutil.which("vllm-router", path=sysconfig.get_path("scripts")) or shutil.which(
+    "vllm-router")
+needs_router = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("router"), "llama")
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dir):
+    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--port", "0",
+            "--kv-cache-memory", "32M", "--max-model-len", "256", "--dtype", "float32"]
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serving(ServerProcess(args, env={}))) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def router(replicas):
+    port = free_port()
+    proc = subprocess.Popen(
+        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+         "--prometheus-port", str(free_port()), "--worker-urls",
+         *[r.url for r in replicas], "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # it waits for both replicas to be healthy
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "router did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def served_requests(replica) -> int:
+    return sum(1 for line in replica.lines if '"POST /v1/' in line and '" 200 ' in line)
+
+
+@needs_router
+def test_chat_and_completions_through_vllm_router(router, replicas):
+    before = [served_requests(r) for r in replicas]
+    for i in range(4):
+        chat = httpx.post(router + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}],
+            "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] >= 1
+        completion = httpx.post(router + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": f"count {i}", "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200, completion.text
+    with httpx.stream("POST", router + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "stream"}],
+            "max_tokens": 4, "temperature": 0, "stream": True}) as stream:
+        assert stream.status_code == 200
+        assert "data: [DONE]" in "".join(stream.iter_text())
+    served = sum(served_requests(r) for r in replicas) - sum(before)
+    assert served == 9  # every request reached a replica once
+
+
+def direct(replica, path: str, **fields) -> httpx.Response:
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, **fields}
+    return httpx.post(replica.url + path, json=body, timeout=60)
+
+
+def test_other_dialects_fields_at_their_defaults_are_accepted(replicas):
+    router_fields = {"no_stop_trim": False, "separate_reasoning": True, "stream_reasoning": True,
+                     "return_hidden_states": False, "continue_final_message": False,
+                     "include_reasoning": True, "logprobs": False, "ignore_eos": False,
+                     "skip_special_tokens": True}
+    chat = direct(replicas[0], "/v1/chat/completions",
+                  messages=[{"role": "user", "content": "hi"}], **router_fields)
+    assert chat.status_code == 200, chat.text
+    completion = direct(replicas[0], "/v1/completions", prompt="hi", no_stop_trim=False,
+                        return_hidden_states=False, echo=False)
+    assert completion.status_code == 200, completion.text
+    tokenize = httpx.post(replicas[0].url + "/tokenize", timeout=60, json={
+        "model": "tiny", "continue_final_message": False,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert tokenize.status_code == 200, tokenize.text
+
+
+@pytest.mark.parametrize("field,value", [("return_hidden_states", True),
+                                         ("include_reasoning", False),
+                                         ("continue_final_message", True),
+                                         ("no_such_field", 1)])
+def test_what_this_server_does_not_do_is_a_400_naming_the_field(replicas, field, value):
+    response = direct(replicas[0], "/v1/chat/completions",
+                      messages=[{"role": "user", "content": "hi"}], **{field: value})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field
+
+
+def test_no_stop_trim_keeps_the_stop_string(replicas):
+    """SGLang's no_stop_trim is vLLM's include_stop_str_in_output."""
+    free = direct(replicas[0], "/v1/completions", prompt="a b c", max_tokens=12).json()
+    text = free["choices"][0]["text"]
+    if len(text.strip()) < 2:
+        pytest.skip("the random model's greedy text is too short to hold a stop string")
+    stop = text.strip()[1]
+    trimmed = direct(replicas[0], "/v1/completions", prompt="a b c", max_tokens=12,
+                     stop=[stop]).json()["choices"][0]["text"]
+    kept = direct(replicas[0], "/v1/completions", prompt="a b c", max_tokens=12, stop=[stop],
+                  no_stop_trim=True).json()["choices"][0]["text"]
+    assert kept == trimmed + stop
