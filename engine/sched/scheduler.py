@@ -305,8 +305,11 @@ class Scheduler:
                     num_new_tokens = 1
                     continue
                 victim = self._preemption_victim()
-                if self._preempt_in_step(step, victim):
-                    index -= 1  # it stood before `request`, which moved up one
+                if running.index(victim) < index:
+                    # It stood before `request` (scheduled this step, or skipped), so
+                    # `request` and everything after it move up one.
+                    index -= 1
+                self._preempt_in_step(step, victim)
                 if victim is request:
                     break
             if new_blocks is None:
@@ -447,7 +450,8 @@ class Scheduler:
         """Preempt `victim` for room in this step: out of `running`, out of what the
         step has scheduled so far (its tokens back in the budget), reset to waiting
         (`_preempt`), recorded as preempted. True if the step had scheduled it (only
-        under the priority policy can a victim already be in the step)."""
+        under the priority policy can a victim already be in the step, or stand before
+        the request that needs the room)."""
         running = self.running
         if victim is running[-1]:
             running.pop()

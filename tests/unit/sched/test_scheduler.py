@@ -313,6 +313,25 @@ def test_priority_victim_scheduled_earlier_in_the_step_is_unscheduled():
     assert pool.get_cached_block(low.block_hashes[0]) is None
 
 
+def test_priority_victim_skipped_earlier_in_the_step_does_not_skip_the_next_request():
+    """A victim that stood before the request needing room but was not scheduled this
+    step (async scheduling: its unknown last token may be its last) leaves the queue
+    all the same: the requests after it move up one, and each still gets its turn."""
+    scheduler = make_scheduler(num_blocks=5, policy="priority")
+    low = add(scheduler, "V", 3, priority=5, max_tokens=3)
+    step(scheduler)
+    for name, prompt in (("A", 4), ("B", 4), ("C", 2)):
+        add(scheduler, name, prompt)
+    step(scheduler)  # V, A, B, C running; one block free
+    assert running_ids(scheduler) == ["V", "A", "B", "C"]
+    low.num_output_placeholders = 1  # its 3rd token is in flight: it may not run ahead
+    out = scheduler.schedule()
+    # A takes the free block, B needs one: the victim is V (before B, skipped this
+    # step). C's decode fits in its own block, so C runs too.
+    assert out.preempted_req_ids == {"V"}
+    assert out.num_scheduled_tokens == {"A": 1, "B": 1, "C": 1}
+
+
 def test_waiting_requests_never_preempt_running_ones():
     scheduler = make_scheduler(num_blocks=3)
     add(scheduler, "a", 8)
