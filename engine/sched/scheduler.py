@@ -446,21 +446,20 @@ class Scheduler:
             return None
         return victim
 
-    def _preempt_in_step(self, step: _StepPlan, victim: Request) -> bool:
+    def _preempt_in_step(self, step: _StepPlan, victim: Request) -> None:
         """Preempt `victim` for room in this step: out of `running`, out of what the
-        step has scheduled so far (its tokens back in the budget), reset to waiting
-        (`_preempt`), recorded as preempted. True if the step had scheduled it (only
-        under the priority policy can a victim already be in the step, or stand before
-        the request that needs the room)."""
+        step has scheduled so far (its tokens back in the budget; only under the
+        priority policy can a victim already be in the step, or stand before the
+        request that needs the room), reset to waiting (`_preempt`), recorded as
+        preempted."""
         running = self.running
         if victim is running[-1]:
             running.pop()
         else:
             running.remove(victim)
-        was_scheduled = step.take_back(victim)
+        step.take_back(victim)
         self._preempt(victim)
         step.preempted.append(victim)
-        return was_scheduled
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the blocks, reset progress, front of waiting.
