@@ -166,6 +166,14 @@ def generation_config_source(text: str) -> str:
     return text
 
 
+def kv_events_config_json(text: str) -> KVEventsConfig:
+    """vLLM's JSON: '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'."""
+    try:
+        return KVEventsConfig.from_dict(json_object(text))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def speculative_config_json(text: str) -> SpeculativeConfig:
     """vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
     value = json_object(text)
@@ -416,6 +424,42 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig keys (the ones this server uses); published by
+    engine/core/kv_events.py."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null" (vLLM's names); enabling defaults to zmq
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # messages the replay socket can still send
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the sending thread
+    topic: str = ""
+
+    @classmethod
+    def from_dict(cls, value: dict) -> KVEventsConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown --kv-events-config key(s) {unknown}; expected some of "
+                             f"{sorted(known)}")
+        if value.get("enable_kv_cache_events") and "publisher" not in value:
+            value = {**value, "publisher": "zmq"}
+        config = cls(**value)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config publisher {config.publisher!r}: expected "
+                             "'zmq' or 'null'")
+        if config.buffer_steps < 1 or config.max_queue_size < 1:
+            raise ValueError("--kv-events-config buffer_steps and max_queue_size must be >= 1")
+        return config
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -433,6 +477,13 @@ class EngineConfig:
         "adaptive_draft_length (default true), min_acceptance_rate, backoff_tokens. With "
         "--async-scheduling, steps that may carry drafts run one at a time. Default: off.",
         group="speculative", type=speculative_config_json)
+    # None: no KV-cache events (engine/core/kv_events.py KVEventsConfig).
+    kv_events_config: KVEventsConfig | None = option(
+        None, "--kv-events-config", "Publish KV-cache events (blocks stored, evicted, all "
+        "cleared) for KV-aware routers, in vLLM's format: JSON such as "
+        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. "
+        "Default: off.", group="cache", type=kv_events_config_json)
 
     @classmethod
     def from_options(cls, model: str, served_model_name: str | None = None,
@@ -447,6 +498,8 @@ class EngineConfig:
         if isinstance(values.get("speculative_config"), dict):
             values["speculative_config"] = SpeculativeConfig.from_dict(
                 values["speculative_config"])
+        if isinstance(values.get("kv_events_config"), dict):
+            values["kv_events_config"] = KVEventsConfig.from_dict(values["kv_events_config"])
         return from_options(
             cls, values,
             model_config=from_options(ModelConfig, values, model=model,

@@ -33,8 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from engine.core.kv_events import ZmqEventPublisher
 from engine.core.xray import XrayRecorder, build_snapshot
 from engine.executor.abstract import Executor, make_executor
+from engine.kv_cache.events import KVEventLog
 from engine.model_loader.resources import load_tokenizer
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, RequestStatus
@@ -80,6 +82,13 @@ class EngineCore:
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-step")
                         if scheduler_config.async_scheduling else None)
         self.xray = XrayRecorder(self.scheduler)  # what GET /xray shows; see engine/core/xray.py
+        # --kv-events-config: the block pool logs, each step's events are published.
+        self.kv_events: ZmqEventPublisher | None = None
+        events_config = config.kv_events_config
+        if events_config is not None and events_config.enabled:
+            pool = self.scheduler.kv_cache_manager.block_pool
+            pool.events = KVEventLog(cache_config.block_size)
+            self.kv_events = ZmqEventPublisher(events_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.xray.note_request(self.scheduler.add_request(request))
@@ -94,6 +103,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step. A failing model step fails only its own requests."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self._worker is None:
             return self._step_sync(self.executor.execute_model)
         if self.scheduler.speculator is not None:
@@ -194,7 +209,10 @@ class EngineCore:
         self.structured_output.check(params, on_done)
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
+        return done
 
     def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
         """The scheduler, block pool, prefix cache and recent steps now (between steps)."""
@@ -204,4 +222,6 @@ class EngineCore:
         if self._worker is not None:
             self._worker.shutdown(wait=True)  # let the step in flight end first
         self.structured_output.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from engine.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from engine.kv_cache.block_hash import BlockHash
+from engine.kv_cache.events import KVEventLog
 
 
 class BlockPool:
@@ -26,6 +27,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # --kv-events-config: removals and resets are logged here (the manager logs
+        # what is stored, with the tokens the pool does not see). None: no events.
+        self.events: KVEventLog | None = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -36,14 +40,16 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
-    ) -> None:
-        """Give blocks `[num_cached_blocks, num_full_blocks)` their hashes and map them.
+    ) -> list[int]:
+        """Give blocks `[num_cached_blocks, num_full_blocks)` their hashes and map them;
+        returns the indices (into `blocks`) that became new cache entries.
 
         If another block already holds the same hash (two requests computed the same
         prefix at once), the map keeps the first; the duplicate stays uncached.
         """
+        newly: list[int] = []
         if not self.enable_caching:
-            return
+            return newly
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.block_hash is not None:
@@ -53,6 +59,8 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            newly.append(index)
+        return newly
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` from the head of the free queue, evicting cached ones."""
@@ -68,6 +76,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.events is not None and isinstance(block.block_hash, bytes):
+                self.events.removed(block.block_hash)  # group 0's keys are plain hashes
         block.block_hash = None
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -103,6 +113,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

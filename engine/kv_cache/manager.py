@@ -198,9 +198,27 @@ class KVCacheManager:
                 num_tokens_after_step // self.block_size, len(request.block_hashes)
             )
             for group in self.groups:
-                group.cache_full_blocks(req_id, request.block_hashes, num_full_blocks)
+                newly = group.cache_full_blocks(req_id, request.block_hashes, num_full_blocks)
+                if newly and group is self.groups[0] and self.block_pool.events is not None:
+                    self._log_stored(request, newly)
         self._no_work_until[req_id] = self._tokens_without_work(req_id)
         return new_blocks
+
+    def _log_stored(self, request: Request, newly: list[int]) -> None:
+        """One BlockStored per run of consecutive new entries (block indices of the
+        request). Example, block size 4, newly [2, 3]: hashes h2, h3, parent h1, the
+        tokens at positions 8 .. 15."""
+        runs: list[list[int]] = []
+        for index in newly:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+        for run in runs:
+            parent = hashes[run[0] - 1] if run[0] > 0 else None
+            self.block_pool.events.stored([hashes[i] for i in run], parent,
+                                          tokens[run[0] * size:(run[-1] + 1) * size])
 
     def _hits_of_every_group(self, request: Request, group0_hits: list[KVCacheBlock]
                              ) -> list[list[KVCacheBlock]]:

@@ -67,11 +67,12 @@ class FullAttentionBlocks:
         return len(self.req_to_blocks.get(req_id, ()))
 
     def cache_full_blocks(self, req_id: str, block_hashes: Sequence[BlockHash],
-                          num_full_blocks: int) -> None:
-        """Hash the request's blocks [already hashed, num_full_blocks)."""
+                          num_full_blocks: int) -> list[int]:
+        """Hash the request's blocks [already hashed, num_full_blocks); returns the
+        indices that became new cache entries (BlockPool.cache_full_blocks)."""
         num_cached = self.num_cached_blocks.get(req_id, 0)
         if num_full_blocks <= num_cached:
-            return
+            return []
         blocks = self.req_to_blocks[req_id]
         if self.group_id == 0:
             hashes = block_hashes
@@ -79,8 +80,9 @@ class FullAttentionBlocks:
             hashes = [None] * num_cached + [self.cache_key(h) for h in
                                             block_hashes[num_cached:num_full_blocks]]
         # (The null block counts as hashed already: the pool skips it.)
-        self.pool.cache_full_blocks(blocks, hashes, num_cached, num_full_blocks)
+        newly = self.pool.cache_full_blocks(blocks, hashes, num_cached, num_full_blocks)
         self.num_cached_blocks[req_id] = num_full_blocks
+        return newly
 
     def free(self, req_id: str, discard_cached: bool, num_written_tokens: int | None) -> None:
         """Release every block of `req_id` (tail first: its prefix is evicted last)."""

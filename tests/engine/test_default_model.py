@@ -54,6 +54,7 @@ def test_default_model_matches_transformers(llm: LLM):
     assert num_flips <= 2, f"{num_flips} of 8 sequences diverged at a near-tie"
 
 
+@pytest.mark.extended  # 90 s; the opt-in path (PAGEDSERVE_EXTENDED_TESTS=1 runs it)
 def test_default_model_with_int8_activations(llm: LLM):
     """The same prompts with the few-row kernels' activations rounded to int8
     (PAGEDSERVE_ACTIVATION_PRECISION=int8): every divergence from transformers is a near

@@ -17,6 +17,7 @@ from engine.config import (
     fraction,
     generation_config_source,
     json_object,
+    kv_events_config_json,
     positive_int,
     speculative_config_json,
 )
@@ -30,7 +31,8 @@ MODEL_SOURCE_DESTS = {"help", "model_tag", "model", "served_model_name"}
 # A command-line value of each parser (another than the default).
 SAMPLE_TEXT = {positive_int: "3", int: "3", byte_size: "2M", fraction: "0.5", str: "x",
                speculative_config_json: '{"method": "suffix"}',
-               generation_config_source: "vllm", json_object: '{"temperature": 0.5}'}
+               generation_config_source: "vllm", json_object: '{"temperature": 0.5}',
+               kv_events_config_json: '{"topic": "x"}'}
 
 
 @pytest.fixture

@@ -1,0 +1,134 @@
+"""KV-cache events over ZeroMQ, read by a subscriber written from vLLM's documented
+format (pyzmq + msgspec, its examples/online_serving/kv_events_subscriber.py): a real
+server with --kv-events-config publishes AllBlocksCleared at start, then BlockStored
+with a prompt's full blocks and tokens; the replay socket resends from any sequence
+number and ends with the -1 marker."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from tests.support.model_fixtures import build_tiny_checkpoint
+from tests.support.server_fixtures import ServerThread
+
+BLOCK_SIZE = 16
+
+
+# The subscriber's own types, as vLLM documents them (not pagedserve's classes).
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from server.http.api_server import APIServer, ServeOptions
+    from server.http.cli import engine_config_from_args, make_arg_parser
+
+    model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("events"), "llama")
+    pub, replay = free_port(), free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+              "topic": "kv-events"}
+    args = make_arg_parser().parse_args(
+        ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "256",
+         "--block-size", str(BLOCK_SIZE), "--kv-events-config", json.dumps(events),
+         "--port", "0", "--log-level", "warning"])
+    options = ServeOptions.from_options(vars(args), engine_mode="thread")
+    thread = ServerThread(APIServer(options, engine_config_from_args(args, args.model, "tiny"),
+                                    args.model, ["tiny"])).start()
+    thread.endpoints = events
+    yield thread
+    thread.stop()
+
+
+def test_prompts_blocks_are_published_and_replayed(server):
+    context = zmq.Context()
+    try:
+        sub = context.socket(zmq.SUB)
+        sub.connect(server.endpoints["endpoint"])
+        sub.setsockopt_string(zmq.SUBSCRIBE, "kv-events")
+        time.sleep(0.5)  # a SUB socket sees only what is sent after it joined
+        prompt = list(range(10, 10 + 2 * BLOCK_SIZE + 5))  # two full blocks and 5 more
+        body = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        stored: list[BlockStored] = []
+        deadline = time.monotonic() + 30
+        while sum(len(e.token_ids) for e in stored) < 2 * BLOCK_SIZE:
+            assert time.monotonic() < deadline, "no BlockStored for the prompt"
+            if sub.poll(200):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv-events" and len(seq) == 8
+                stored += [e for e in DECODER.decode(payload).events
+                           if isinstance(e, BlockStored)]
+        first = stored[0]
+        assert first.parent_block_hash is None and first.block_size == BLOCK_SIZE
+        tokens = [t for e in stored for t in e.token_ids]
+        assert tokens[:2 * BLOCK_SIZE] == prompt[:2 * BLOCK_SIZE]
+        hashes = [h for e in stored for h in e.block_hashes]
+        assert len(set(hashes)) == len(hashes) and all(len(h) == 32 for h in hashes)
+
+        # Replay from the start: message 0 is the start-up AllBlocksCleared.
+        replay = context.socket(zmq.DEALER)
+        replay.connect(server.endpoints["replay_endpoint"])
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert replay.poll(5000), "the replay did not end"
+            frames = replay.recv_multipart()
+            seq_bytes, payload = frames[-2], frames[-1]
+            if not payload:
+                assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+                break
+            replayed.append((int.from_bytes(seq_bytes, "big"), DECODER.decode(payload)))
+        assert [seq for seq, _ in replayed] == list(range(len(replayed)))
+        assert replayed[0][1].events == [AllBlocksCleared()]
+        replayed_hashes = [h for _, batch in replayed for e in batch.events
+                           if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert hashes == replayed_hashes[:len(hashes)]
+    finally:
+        context.destroy(linger=0)
