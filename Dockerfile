@@ -58,7 +58,7 @@ ENV PYTHONUNBUFFERED=1 \
     PAGEDSERVE_PORT=8000 \
     HOME=/home/pagedserve
 # g++ builds the C++ CPU kernels (decode attention, int4/int8 linears) on first start
-# (kernels/cpu_kernels.py, cached under HOME); without it the server falls back to the
+# (pagedserve_kernels/cpu_kernels.py, cached under HOME); without it the server falls back to the
 # slower pure-torch attention and dense weights.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \

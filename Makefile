@@ -27,7 +27,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	# there: a machine without CUDA serves without it (make test installs it back).
 	$(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())" \
 		&& $(BIN)/pip uninstall -q -y triton || true
-	$(BIN)/python -m kernels.cpu_kernels
+	$(BIN)/python -m pagedserve_kernels.cpu_kernels
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)

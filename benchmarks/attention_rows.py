@@ -5,7 +5,7 @@ request: what a speculative verify step (1 + k rows) pays for attention.
     python -m benchmarks.attention_rows --rows 1 4 8 --keys 300 --cache-dtype bfloat16
     python -m benchmarks.attention_rows --cold   # K/V from memory: a cache per layer
 
-Calls `paged_attention` (kernels/cpu/paged_attention.cpp) directly on a random cache:
+Calls `paged_attention` (pagedserve_kernels/cpu/paged_attention.cpp) directly on a random cache:
 rows r of one request see keys 1..len like a prompt chunk (the last row all `--keys`).
 Prints ms per layer (best of `--repeats` timings of `--calls` calls) and that times
 `--layers`.
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], float]:
     if min(args.rows) < 1 or min(args.keys) < max(args.rows):
         parser.error("--rows must be >= 1 and every --keys at least the largest --rows")
 
-    from kernels.cpu_kernels import cpu_kernels
+    from pagedserve_kernels.cpu_kernels import cpu_kernels
 
     ops = cpu_kernels()
     if ops is None:

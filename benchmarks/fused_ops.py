@@ -9,7 +9,7 @@ RoPE on q and k (views into the fused qkv output), SiLU x up. Three ways:
   `SiluAndMul.forward_torch`), op by op;
 - compiled: the same functions through `torch.compile` (inductor's CPU backend,
   `dynamic=True` so one compile serves every batch size); its compile time is printed;
-- cpp: pagedserve's fused ops (`kernels/cpu/fused_ops.cpp`, what the CPU path runs).
+- cpp: pagedserve's fused ops (`pagedserve_kernels/cpu/fused_ops.cpp`, what the CPU path runs).
 
 Prints microseconds per layer and per step (x 30 layers) with the CPU's flags. This
 is the measurement behind issue 13's choice of hand-written ops over torch.compile.
@@ -26,7 +26,7 @@ import torch
 from engine import cpu_info
 from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.rotary import apply_rotary
-from kernels.cpu_kernels import cpu_kernels
+from pagedserve_kernels.cpu_kernels import cpu_kernels
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD, LAYERS = 576, 1536, 9, 3, 64, 30
 EPS = 1e-5

@@ -13,7 +13,7 @@ should sit for this CPU; the weights of 8 layers are cycled so they come from me
 from the cache, as in a real forward pass. Prints the CPU's SIMD flags first.
 
 int4 / int8 weights whose output count is a multiple of 16 (all of these) are held in
-blocks of 16 output rows (kernels/cpu/quant_blocked.cpp), as the server holds them;
+blocks of 16 output rows (pagedserve_kernels/cpu/quant_blocked.cpp), as the server holds them;
 "int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
 layout for comparison. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
 Q8_0 in its GGUF, so int8) instead of the layer.
@@ -38,7 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.compare_servers import cpu_flags
 from engine.models.quant import QuantSpec, quantize
-from kernels.cpu_kernels import (
+from pagedserve_kernels.cpu_kernels import (
     ACTIVATION_PRECISIONS,
     activation_precision,
     cpu_kernels,

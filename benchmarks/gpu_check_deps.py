@@ -47,7 +47,7 @@ TARGET_ENV = {"python_version": PYTHON_VERSION, "python_full_version": "3.12.3",
               "platform_machine": "x86_64", "implementation_name": "cpython",
               "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
 # Import names of the project itself: they travel as source.
-PROJECT_PACKAGES = {"engine", "server", "kernels", "benchmarks", "tests"}
+PROJECT_PACKAGES = {"engine", "server", "pagedserve_kernels", "benchmarks", "tests"}
 
 
 @dataclass(frozen=True)

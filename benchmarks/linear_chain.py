@@ -5,7 +5,7 @@
 30 x (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) + lm_head 49152x576,
 random weights, no attention, no engine: what one decode step's matmuls cost at
 best on this CPU. Formats: float32 and bfloat16 dense (F.linear), and the int8 /
-int4 kernels of kernels/cpu/quant_linear.cpp (float32 activations). Prints ms per
+int4 kernels of pagedserve_kernels/cpu/quant_linear.cpp (float32 activations). Prints ms per
 step and tokens/s, with the CPU's flags, so that the crossover batch size where a
 dense matmul beats the quantized kernel (engine.models.quant.default_max_rows)
 can be read off for this machine.

@@ -88,7 +88,7 @@ def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
              dtype: str) -> Perplexity:
-    import kernels.cpu_kernels as ck
+    import pagedserve_kernels.cpu_kernels as ck
     from engine import LLM, SamplingParams
 
     os.environ["PAGEDSERVE_QUANT_MAX_ROWS"] = "0" if mode == "float32" else str(ALL_ROWS)

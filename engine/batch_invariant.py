@@ -20,7 +20,7 @@ def set_enabled(enabled: bool) -> None:
     """Switch batch invariance on or off for this process (and its C++ kernels)."""
     global _enabled
     _enabled = bool(enabled)
-    from kernels.cpu_kernels import cpu_kernels
+    from pagedserve_kernels.cpu_kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is not None:

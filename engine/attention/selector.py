@@ -10,7 +10,7 @@ What `auto` picks, by device and `--block-size`:
 
 Upstream flash-attn's paged KV (`flash_attn_varlen_func(..., block_table=...)`) needs
 blocks of a multiple of 256 tokens; vLLM serves 16 with its own fork. The Triton
-kernels (`kernels/`) serve any power-of-two block size from 16 up, so they are the
+kernels (`pagedserve_kernels/`) serve any power-of-two block size from 16 up, so they are the
 CUDA default. FlashInfer is not a choice: its wheel could not be installed and
 measured against these on a GPU here (README, "GPU").
 """

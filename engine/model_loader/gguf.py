@@ -180,7 +180,7 @@ def _remove_abandoned_tmp_dirs(target: Path) -> None:
             pass  # alive, owned by someone else
 
 
-# The GGML types kernels/cpu/gguf_blocks.h decodes (and so the types a file may use).
+# The GGML types pagedserve_kernels/cpu/gguf_blocks.h decodes (and so the types a file may use).
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
     "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))

@@ -58,7 +58,7 @@ def plan_quantization(model: nn.Module, requested: str, device: torch.device | s
     if requested in ("int8", "int4"):
         if torch.device(device).type != "cpu":
             raise ValueError(f"--quantization {requested} runs on the CPU only (the C++ "
-                             "kernels of kernels/cpu/quant_linear.cpp); on CUDA use --quantization none")
+                             "kernels of pagedserve_kernels/cpu/quant_linear.cpp); on CUDA use --quantization none")
     return dict.fromkeys(linears, QuantSpec(requested))
 
 

@@ -184,7 +184,7 @@ def _return_freed_memory() -> None:
 
 def _packs_gguf(quantization: str, device: torch.device | str) -> tuple[bool, str]:
     """Whether a GGUF file's quantized tensors stay packed, and if not, why."""
-    from kernels.cpu_kernels import cpu_kernels
+    from pagedserve_kernels.cpu_kernels import cpu_kernels
 
     if quantization != "auto":
         return False, f"--quantization {quantization}"

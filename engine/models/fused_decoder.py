@@ -1,4 +1,4 @@
-"""A dense decoder's layers as one C++ call per CPU step (`kernels/cpu/decoder_stack.cpp`).
+"""A dense decoder's layers as one C++ call per CPU step (`pagedserve_kernels/cpu/decoder_stack.cpp`).
 
 At one client a SmolLM2 decode step spends about as long in the interpreter between
 the kernels (~40 Python-level calls per layer: module calls, views, the attention
@@ -30,7 +30,7 @@ from engine.distributed.parallel_state import get_tp_group
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.layers import GatedMLP, Linear
 from engine.models.quant import KERNEL_CALLS
-from kernels.cpu_kernels import cpu_kernels
+from pagedserve_kernels.cpu_kernels import cpu_kernels
 
 STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
 

@@ -9,7 +9,7 @@ A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
                                        value, both in int8), the same bytes per weight or
                                        fewer (Q5_0/IQ4_NL in int8: 1.06 vs 0.69/0.56)
     every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
-      (Q2_K..Q6_K, Q5_1, IQ4_XS)       in the file, multiplied by kernels/cpu/gguf_linear.cpp
+      (Q2_K..Q6_K, Q5_1, IQ4_XS)       in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
 
 A merged linear (qkv, gate_up) whose pieces have different types (Q4_K_M stores some
 attn_v in Q6_K beside a Q4_K attn_q) holds a StackedWeight: each piece its own packed
@@ -47,7 +47,7 @@ REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("
 
 
 def _kernels():
-    from kernels.cpu_kernels import cpu_kernels
+    from pagedserve_kernels.cpu_kernels import cpu_kernels
 
     return cpu_kernels()
 

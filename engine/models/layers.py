@@ -34,7 +34,7 @@ from engine.distributed.parallel_state import get_tp_group
 from engine.distributed.sharding import RowRange, even_range, padded_range
 from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
 from engine.models.quant import QuantizedWeight, QuantSpec, can_quantize, quantize
-from kernels.cpu_kernels import fused_ops_for
+from pagedserve_kernels.cpu_kernels import fused_ops_for
 
 
 def empty_param(*shape: int) -> nn.Parameter:

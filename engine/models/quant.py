@@ -4,12 +4,12 @@ A `Linear` may hold its weight as a `QuantizedWeight` instead of a dense tensor:
 weight in 4 or 8 bits with float16 scales (and mins) per group of 32 (the layout and
 precision of GGUF's Q4_0 / Q4_1 / Q8_0, which therefore run exactly: 0.625 bytes per
 int4 weight). There is no dense copy beside it. Batches of at most `max_rows` rows (decode
-steps) take the C++ kernels of `kernels/cpu/quant_linear.cpp` (weights with a multiple
-of 16 outputs: `kernels/cpu/quant_blocked.cpp`, held in blocks of 16 output rows, see
+steps) take the C++ kernels of `pagedserve_kernels/cpu/quant_linear.cpp` (weights with a multiple
+of 16 outputs: `pagedserve_kernels/cpu/quant_blocked.cpp`, held in blocks of 16 output rows, see
 `block_int4` / `block_int8`), which read 5-6x fewer bytes than a float32 matmul, what a small decode batch costs on a memory-bound CPU;
 larger batches (prefill chunks, wide decode batches) decode a tile of weight rows at a
 time into the activations' dtype and multiply it with one matmul
-(`kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
+(`pagedserve_kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
 numbers. The kernels round the activations to int16 per group of 32 (at most 1.5e-5 of
 the group's largest value), which turns each group's dot product into a few integer
 instructions.
@@ -48,7 +48,7 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
     (decoded tiles and one matmul) on this CPU; `kind` "int4" / "int8" (row-major),
     "int4-blocked" / "int8-blocked" (blocks of 16 output rows) or "gguf" (the K-quant kernels of
-    kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind. `dtype` is the
+    pagedserve_kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind. `dtype` is the
     model's (activations') dtype, which the tiles are decoded into; None: the dtype that
     `--dtype auto` picks on this CPU (bfloat16 where it has native bf16, else float32).
 
@@ -70,7 +70,7 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
         # float32 tiles cost the tiled path most: the blocked kernels keep 512 rows.
         return 512
     if kind == "int4-blocked" and avx512:
-        # Blocked int4 (kernels/cpu/quant_blocked.cpp), bfloat16 tiles.
+        # Blocked int4 (pagedserve_kernels/cpu/quant_blocked.cpp), bfloat16 tiles.
         return 64
     if kind == "int8-blocked" and avx512:
         # Blocked int8, bfloat16 tiles (a 1B layer and SmolLM2's lm_head agree).
@@ -98,7 +98,7 @@ class QuantSpec:
 
 
 def _kernels():
-    from kernels.cpu_kernels import cpu_kernels
+    from pagedserve_kernels.cpu_kernels import cpu_kernels
 
     return cpu_kernels()
 
@@ -277,7 +277,7 @@ def block_int4(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row-major int4 ([N, K / 2], scales/mins [N, K / 32]) -> blocks of 16 output rows.
 
-    The layout of kernels/cpu/quant_blocked.cpp (its header has the why): for block b,
+    The layout of pagedserve_kernels/cpu/quant_blocked.cpp (its header has the why): for block b,
     group g and quad t, 32 bytes where byte 2j holds q[16b + j, 32g + 4t] (low nibble)
     and q[.., 4t + 2] (high), byte 2j + 1 holds q[.., 4t + 1] and q[.., 4t + 3]; scales
     and mins [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's
@@ -316,7 +316,7 @@ def unblock_int4(blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
 def block_int8(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-major int8 ([N, K], scales [N, K / 32]) -> blocks of 16 output rows.
 
-    The layout of kernels/cpu/quant_blocked.cpp: for block b and group g, 512 bytes
+    The layout of pagedserve_kernels/cpu/quant_blocked.cpp: for block b and group g, 512 bytes
     [pair p][lane j][2] where byte (p, j, i) = q[16b + j, 32g + 2p + i]; scales
     [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's group 0
     starts q = (1, -2, 3, 4), block 0, group 0 begins 1 -2 1 -2 ... (32 bytes: pair 0 of

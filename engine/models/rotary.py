@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.cpu_kernels import fused_ops_for
+from pagedserve_kernels.cpu_kernels import fused_ops_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 

@@ -101,7 +101,7 @@ class Worker:
             logger.info("CPU: %s; compute dtype %s (%s)", cpu_info.describe(),
                         str(dtype).removeprefix("torch."), why)
         if device.type == "cpu":
-            from kernels.cpu_kernels import cpu_kernels
+            from pagedserve_kernels.cpu_kernels import cpu_kernels
 
             cpu_kernels()  # build (once per CPU) or load them now, not on the first request
         from engine import batch_invariant

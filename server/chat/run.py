@@ -86,7 +86,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     if prompt_token_ids is None:
         _, prompt_token_ids = apply_chat_template(state, body.messages,
                                                   body.add_generation_prompt,
-                                                  plan.template_tools, template_kwargs)
+                                                  plan.template_tools, template_kwargs,
+                                                  body.continue_final_message)
     if max_context is not None:
         room = max_context - len(prompt_token_ids)
         if room < 1:

@@ -60,12 +60,20 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
                         add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                        template_kwargs: dict[str, Any] | None = None,
+                        continue_final_message: bool = False) -> tuple[str, list[int]]:
     """Render the messages with the model's chat template; returns (text, token ids).
 
     Assistant turns keep their `tool_calls` and tool turns their `tool_call_id`;
-    `tools` and `template_kwargs` are passed to the template.
+    `tools` and `template_kwargs` are passed to the template. With
+    `continue_final_message` (vLLM's), the prompt ends inside the last message, without
+    its end-of-turn marker, so that the model continues it (a prefilled answer); it
+    excludes `add_generation_prompt`.
     """
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true (set add_generation_prompt to false).",
+                          "continue_final_message", "invalid_value")
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template (and no built-in one fits its "
@@ -87,7 +95,8 @@ def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            tools=tools or None, **(template_kwargs or {}))
+            continue_final_message=continue_final_message, tools=tools or None,
+            **(template_kwargs or {}))
     except Exception as exc:  # a template may raise on e.g. roles it does not accept
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from exc
     # The template already wrote any BOS it wants.

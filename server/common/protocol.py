@@ -293,7 +293,9 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[dict[str, Any]] | None = Field(None, description="Not supported (400 if set).")
     function_call: str | dict[str, Any] | None = Field(None, description="Not supported.")
     # vLLM's and SGLang's chat extras that routers forward at their defaults.
-    continue_final_message: bool = Field(False, description="vLLM's; only false is supported.")
+    continue_final_message: bool = Field(
+        False, description="vLLM's: the prompt ends inside the last message (no end-of-turn "
+        "marker) and the model continues it; requires add_generation_prompt false.")
     include_reasoning: bool = Field(
         True, description="vLLM's; only true is supported (reasoning_content with "
         "--reasoning-parser).")
@@ -308,8 +310,6 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("include_reasoning", "separate_reasoning", "stream_reasoning"):
             if not getattr(self, name):
                 return name, f"{name} false is not supported."
-        if self.continue_final_message:
-            return "continue_final_message", "continue_final_message is not supported."
         if self.function_call is not None:
             return "function_call", "function_call is not supported."
         for i, message in enumerate(self.messages):
@@ -471,8 +471,10 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="For `prompt`: add BOS etc.")
     add_generation_prompt: bool = Field(True, description="For `messages`.")
-    # vLLM's; vllm-router sends it (false) when it tokenizes a chat for cache-aware routing.
-    continue_final_message: bool = Field(False, description="vLLM's; only false is supported.")
+    # vLLM's; vllm-router sends it when it tokenizes a chat for cache-aware routing.
+    continue_final_message: bool = Field(
+        False, description="For `messages`: end inside the last message (vLLM's); requires "
+        "add_generation_prompt false.")
 
 
 class TokenizeResponse(OpenAIResponse):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.attention_rows import main
-from kernels.cpu_kernels import cpu_kernels
+from pagedserve_kernels.cpu_kernels import cpu_kernels
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels are not built here")

@@ -480,7 +480,7 @@ def _dockerignore_excludes(relpath: str) -> bool:
     return excluded
 
 
-PACKAGES = ("engine", "server", "kernels", "benchmarks")
+PACKAGES = ("engine", "server", "pagedserve_kernels", "benchmarks")
 
 
 def test_dockerignore_keeps_the_build_inputs():

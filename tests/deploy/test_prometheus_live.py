@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
-import socket
 import subprocess
 import time
 
@@ -56,7 +55,7 @@ from tests.support.metrics import (
     value,
     wait_until,
 )
-from tests.support.server_fixtures import serving
+from tests.support.server_fixtures import free_port, serving
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +80,6 @@ def server(binaries, tmp_path_factory):
     spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}'
     with serving(tiny_metrics_server(tmp_path_factory, "--speculative-config", spec)) as proc:
         yield proc
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def live_config(server_url: str, prometheus_port: int) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-import kernels.cpu_kernels
+import pagedserve_kernels.cpu_kernels
 from engine import LLM, SamplingParams
 from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
@@ -42,7 +42,7 @@ def test_default_model_matches_transformers(llm: LLM):
     before, fused_before = dict(KERNEL_CALLS), STEPS_RUN["fused"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
                            use_tqdm=False)
-    if kernels.cpu_kernels.toolchain_available():
+    if pagedserve_kernels.cpu_kernels.toolchain_available():
         # 8 rows per decode step: every step ran the 120 int4 linears and the int8 lm_head,
         # the decode steps as the fused decoder stack (engine.models.fused_decoder).
         assert KERNEL_CALLS["int4"] - before.get("int4", 0) >= 120 * (MAX_NEW_TOKENS - 1)
@@ -60,20 +60,20 @@ def test_default_model_with_int8_activations(llm: LLM):
     (PAGEDSERVE_ACTIVATION_PRECISION=int8): every divergence from transformers is a near
     tie (the near-tie rule, no weaker; int8 rounding flips more of them than int16 does,
     so their count is reported, not capped). Its quality: benchmarks/perplexity.py."""
-    if not kernels.cpu_kernels.toolchain_available():
+    if not pagedserve_kernels.cpu_kernels.toolchain_available():
         pytest.skip("no C++ toolchain: no few-row kernels")
     prompts = [llm.apply_chat_template([{"role": "user", "content": text}])
                for text in CHAT_PROMPTS]
-    before = kernels.cpu_kernels.activation_precision()
-    kernels.cpu_kernels.set_activation_precision("int8")
+    before = pagedserve_kernels.cpu_kernels.activation_precision()
+    pagedserve_kernels.cpu_kernels.set_activation_precision("int8")
     try:
         calls = KERNEL_CALLS["int4"]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0,
                                                        max_tokens=MAX_NEW_TOKENS),
                                use_tqdm=False)
-        assert kernels.cpu_kernels.activation_precision() == "int8"
+        assert pagedserve_kernels.cpu_kernels.activation_precision() == "int8"
     finally:
-        kernels.cpu_kernels.set_activation_precision(before)
+        pagedserve_kernels.cpu_kernels.set_activation_precision(before)
     assert KERNEL_CALLS["int4"] - calls >= 120 * (MAX_NEW_TOKENS - 1)
     ours = [o.outputs[0].token_ids for o in outputs]
     reference = hf_greedy_reference(llm.model_dir, prompts, MAX_NEW_TOKENS, ignore_eos=False)

@@ -8,7 +8,7 @@ import torch
 from engine.attention.backends.torch_backend import write_to_kv_cache_torch
 from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.rotary import RotaryEmbedding, apply_rotary
-from kernels.cpu_kernels import cpu_kernels, toolchain_available
+from pagedserve_kernels.cpu_kernels import cpu_kernels, toolchain_available
 
 pytestmark = pytest.mark.skipif(not toolchain_available(), reason="no C++ toolchain")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.cpu_kernels
+import pagedserve_kernels.cpu_kernels
 from engine import LLM, SamplingParams
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
@@ -20,7 +20,7 @@ from tests.support.hf_reference import assert_greedy_matches, hf_greedy_referenc
 from tests.support.model_fixtures import TINY_PHI4_LONGROPE, build_tiny_checkpoint
 
 FIXTURES = Path(__file__).parents[1] / "data" / "gguf"
-needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
+needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 ALL_FILES = sorted(p.name for p in FIXTURES.glob("*.gguf"))
 # transformers reads a phi3 GGUF without its LongRoPE factors and window: this file is

@@ -1,4 +1,4 @@
-"""kernels/cpu/spin_pool.h, the fork-join pool of the C++ kernels, through a kernel.
+"""pagedserve_kernels/cpu/spin_pool.h, the fork-join pool of the C++ kernels, through a kernel.
 
 The int4 linear splits its output rows over the pool; each output element is computed
 by one thread in a fixed order, so results are bit-identical however the rows are split,
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.models.quant import QuantSpec, quantize
-from kernels.cpu_kernels import cpu_kernels, toolchain_available
+from pagedserve_kernels.cpu_kernels import cpu_kernels, toolchain_available
 
 pytestmark = pytest.mark.skipif(not toolchain_available(), reason="no C++ toolchain")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+import pagedserve_kernels
+from pagedserve_kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from tests.support.attention_cases import MIXED_BATCH, assert_same_cache, make_batch
 
 pytestmark = pytest.mark.gpu
@@ -36,13 +36,13 @@ def test_step_matches_reference_at_model_shapes(num_heads, num_kv_heads, head_si
     assert batch.query.is_cuda
     expected_cache = batch.kv_cache.clone()
     reshape_and_cache_ref(batch.key, batch.value, expected_cache, batch.slot_mapping)
-    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     assert_same_cache(batch.kv_cache, expected_cache)
     scale = head_size**-0.5
     args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc,
             batch.seq_lens, scale)
     expected = paged_attention_ref(*args)
-    out = kernels.paged_attention(*args, max_query_len=batch.max_query_len)
+    out = pagedserve_kernels.paged_attention(*args, max_query_len=batch.max_query_len)
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=tol, atol=tol)
 
@@ -75,8 +75,8 @@ def test_decode_graph_replays_follow_the_buffers(dtype, tol):
     out = torch.zeros_like(first.query)
 
     def step():
-        kernels.reshape_and_cache(key, value, cache, slots)
-        kernels.paged_attention(query, cache, table, query_start_loc, seq_lens, scale, out=out,
+        pagedserve_kernels.reshape_and_cache(key, value, cache, slots)
+        pagedserve_kernels.paged_attention(query, cache, table, query_start_loc, seq_lens, scale, out=out,
                                 max_query_len=1)
 
     def load(batch) -> None:
@@ -110,11 +110,11 @@ def test_decode_graph_replays_follow_the_buffers(dtype, tol):
 def test_mixed_batch_fp32_on_device():
     """The CPU suite's mixed batch, compiled: fp32 within 1e-4 of the reference."""
     batch = make_batch(MIXED_BATCH, 8, 2, 64, 16)
-    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc,
             batch.seq_lens, 0.125)
     expected = paged_attention_ref(*args)
-    out = kernels.paged_attention(*args)
-    assert not kernels.triton_interpreted()
+    out = pagedserve_kernels.paged_attention(*args)
+    assert not pagedserve_kernels.triton_interpreted()
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)

@@ -1,8 +1,8 @@
-"""Tests for kernels/: the Triton kernels against their torch references, and the references
+"""Tests for pagedserve_kernels/: the Triton kernels against their torch references, and the references
 against naive dense attention.
 
 Without CUDA the kernels run under the Triton interpreter on CPU. With triton 3.9 that mode is
-fixed per process when triton is first imported (see ``kernels/__init__.py``); ``kernels``
+fixed per process when triton is first imported (see ``pagedserve_kernels/__init__.py``); ``kernels``
 sets ``TRITON_INTERPRET=1`` itself when it is the first to import triton on a machine without
 CUDA. If something else already imported triton in compiled mode, the kernel tests are rerun
 in a fresh interpreter process instead (``test_kernels_in_fresh_process``). With CUDA the
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-import kernels.cpu_kernels
-from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+import pagedserve_kernels
+import pagedserve_kernels.cpu_kernels
+from pagedserve_kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from tests.support.attention_cases import (
     BLOCK_SIZES,
     HAS_TRITON,
@@ -96,7 +96,7 @@ def test_reference_reshape_and_cache_writes_each_token_to_its_slot():
     assert_same_cache(batch.kv_cache, expected)
     # The cache now holds every request's whole sequence at the positions its table gives.
     for r, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v, strict=True)):
-        gk, gv = kernels.reference.gather_kv(batch.kv_cache, batch.block_table[r], k.shape[0])
+        gk, gv = pagedserve_kernels.reference.gather_kv(batch.kv_cache, batch.block_table[r], k.shape[0])
         assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
@@ -166,7 +166,7 @@ def test_cpu_kernel_decodes_match_reference(num_heads, num_kv_heads, block_size,
     same attention over that cache's values in float32.
     """
     kernel = cpu_attention_kernel()
-    from kernels.reference import gather_kv
+    from pagedserve_kernels.reference import gather_kv
 
     seq_lens = [1, block_size, block_size + 1, 300, 513]
     specs = [(n - 1, 1) for n in seq_lens]
@@ -278,7 +278,7 @@ def test_cpu_kernel_rejects_bad_inputs():
 def test_cpu_kernel_build_survives_a_stale_lock(monkeypatch):
     """A lock left by a killed build must not make every later start wait forever."""
     cpu_attention_kernel()  # built (or skipped) once
-    from kernels import cpu_kernels as cpu_decode
+    from pagedserve_kernels import cpu_kernels as cpu_decode
 
     lock = cpu_decode.build_directory() / "lock"
     lock.touch()
@@ -292,21 +292,21 @@ def test_cpu_kernel_build_survives_a_stale_lock(monkeypatch):
 
 
 def test_import_without_triton():
-    """`import kernels` must not import triton, and the references must work without it."""
+    """`import pagedserve_kernels` must not import triton, and the references must work without it."""
     code = """
 import sys
-import kernels
-assert "triton" not in sys.modules, "import kernels imported triton"
+import pagedserve_kernels
+assert "triton" not in sys.modules, "import pagedserve_kernels imported triton"
 sys.modules["triton"] = None  # from here on, `import triton` raises ImportError
 import torch
-from kernels.reference import reshape_and_cache_ref
+from pagedserve_kernels.reference import reshape_and_cache_ref
 cache = torch.zeros(2, 2, 4, 1, 8)
 reshape_and_cache_ref(torch.ones(2, 1, 8), torch.ones(2, 1, 8), cache, torch.tensor([5, -1]))
 assert cache[:, 1, 1].eq(1).all() and cache.sum() == 16
 try:
-    kernels.reshape_and_cache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([0]))
+    pagedserve_kernels.reshape_and_cache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), cache, torch.tensor([0]))
 except ImportError as e:
-    assert "kernels.reference" in str(e)
+    assert "pagedserve_kernels.reference" in str(e)
 else:
     raise AssertionError("expected ImportError")
 """
@@ -333,7 +333,7 @@ def test_reshape_and_cache_matches_reference(num_kv_heads, head_size, block_size
 
     expected = batch.kv_cache.clone()
     reshape_and_cache_ref(key, value, expected, slots)
-    kernels.reshape_and_cache(key, value, batch.kv_cache, slots)
+    pagedserve_kernels.reshape_and_cache(key, value, batch.kv_cache, slots)
     assert_same_cache(batch.kv_cache, expected)
     # Padding wrote nothing: exactly the real tokens' slots left the NaN state.
     written = ~batch.kv_cache.isnan().flatten(3).all(-1)  # [2, num_blocks, block_size]
@@ -348,13 +348,13 @@ def test_reshape_and_cache_matches_reference(num_kv_heads, head_size, block_size
 def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_size, block_size):
     """A whole step: reshape_and_cache then paged_attention, on a mixed batch with padding."""
     batch = make_batch(MIXED_BATCH, num_heads, num_kv_heads, head_size, block_size)
-    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     scale = head_size**-0.5
     args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
     expected = paged_attention_ref(*args, scale)
 
     out = torch.full_like(batch.query, 123.0)
-    result = kernels.paged_attention(*args, scale, out=out, max_query_len=batch.max_query_len)
+    result = pagedserve_kernels.paged_attention(*args, scale, out=out, max_query_len=batch.max_query_len)
     assert result is out
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
@@ -367,10 +367,10 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, head_size, b
 )
 def test_paged_attention_half_precision(dtype, tol):
     batch = make_batch(MIXED_BATCH, 8, 2, 64, 16, dtype=dtype)
-    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
     expected = paged_attention_ref(*args, 0.125)
-    out = kernels.paged_attention(*args, 0.125)  # max_query_len computed from query_start_loc
+    out = pagedserve_kernels.paged_attention(*args, 0.125)  # max_query_len computed from query_start_loc
     assert out.dtype == dtype
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=tol, atol=tol)
@@ -390,10 +390,10 @@ def test_paged_attention_shapes(specs, num_heads, num_kv_heads, head_size):
     """Other tilings: decode-only batches, many query tiles, q_len 0, GQA groups of 3 and 16,
     and a head size that is not a power of two."""
     batch = make_batch(specs, num_heads, num_kv_heads, head_size, 16)
-    kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
     args = (batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens)
     expected = paged_attention_ref(*args, 0.1)
-    out = kernels.paged_attention(*args, 0.1)
+    out = pagedserve_kernels.paged_attention(*args, 0.1)
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
 
@@ -416,12 +416,12 @@ def test_kernels_accept_strided_views():
 
     expected_cache = batch.kv_cache.clone()
     reshape_and_cache_ref(batch.key, batch.value, expected_cache, batch.slot_mapping)
-    kernels.reshape_and_cache(k, v, batch.kv_cache, batch.slot_mapping)
+    pagedserve_kernels.reshape_and_cache(k, v, batch.kv_cache, batch.slot_mapping)
     assert_same_cache(batch.kv_cache, expected_cache)
 
     args = (batch.kv_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, 0.125)
     expected = paged_attention_ref(batch.query, *args)
-    out = kernels.paged_attention(q, *args)
+    out = pagedserve_kernels.paged_attention(q, *args)
     n = batch.num_real
     torch.testing.assert_close(out[:n], expected[:n], rtol=1e-4, atol=1e-4)
 

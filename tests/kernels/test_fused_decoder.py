@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
-from kernels.cpu_kernels import cpu_kernels
+from pagedserve_kernels.cpu_kernels import cpu_kernels
 from tests.support.model_fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="C++ CPU kernels unavailable")

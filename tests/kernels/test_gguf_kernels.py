@@ -11,10 +11,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-import kernels.cpu_kernels
+import pagedserve_kernels.cpu_kernels
 from engine.models.quant import QuantSpec, quantize
 
-needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
+needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
@@ -59,7 +59,7 @@ def tolerance(x: torch.Tensor, raw: np.ndarray, ggml_type) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_gguf_py(ggml_type):
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     raw = random_gguf_rows(ggml_type, 5, 512, seed=int(ggml_type))
     ours = ops.gguf_dequantize(torch.from_numpy(raw), int(ggml_type), 512)
     expected = torch.from_numpy(dequantize(raw, ggml_type).astype(np.float32))
@@ -70,7 +70,7 @@ def test_dequantize_matches_gguf_py(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("num_rows", [1, 3, 6, 9])
 def test_few_rows_path_matches_reference(ggml_type, num_rows):
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     cols, num_out = 768, 37  # three K-quant blocks per row; an odd number of outputs
     raw = random_gguf_rows(ggml_type, num_out, cols, seed=int(ggml_type) + num_rows)
     x = torch.randn(num_rows, cols, generator=torch.Generator().manual_seed(num_rows))
@@ -83,7 +83,7 @@ def test_few_rows_path_matches_reference(ggml_type, num_rows):
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q3_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_path_matches_reference(ggml_type, dtype):
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     cols, num_out = 4096, 300  # tiles of 128 (float32) / 256 (bfloat16) rows: a partial last tile
     raw = random_gguf_rows(ggml_type, num_out, cols, seed=7)
     x = torch.randn(21, cols, generator=torch.Generator().manual_seed(3))
@@ -101,7 +101,7 @@ def test_tiled_path_matches_reference(ggml_type, dtype):
 @needs_kernels
 def test_few_rows_result_of_a_row_does_not_depend_on_its_batch():
     """The few-row path is batch invariant: row r alone and among 31 others, bitwise."""
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     for ggml_type in (T.Q4_K, T.Q6_K, T.Q5_K):
         raw = torch.from_numpy(random_gguf_rows(ggml_type, 64, 512, seed=1))
         x = torch.randn(32, 512, generator=torch.Generator().manual_seed(5))
@@ -113,7 +113,7 @@ def test_few_rows_result_of_a_row_does_not_depend_on_its_batch():
 
 @needs_kernels
 def test_bad_inputs_raise_before_any_work():
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     raw = torch.from_numpy(random_gguf_rows(T.Q4_K, 4, 256))
     with pytest.raises(RuntimeError, match=r"uint8 \[N, 288\]"):  # x has 512 columns
         ops.gguf_linear(torch.zeros(1, 512), raw, int(T.Q4_K), 8)
@@ -129,7 +129,7 @@ def test_bad_inputs_raise_before_any_work():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features", [130, 144])  # int4: row-major / blocks of 16
 def test_quant_tiled_linear_matches_dequantized_weight(spec, dtype, out_features):
-    ops = kernels.cpu_kernels.cpu_kernels()
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
     weight = torch.randn(out_features, 2048, generator=torch.Generator().manual_seed(2)) * 0.05
     q = quantize(weight, spec, max_rows=0)
     x = torch.randn(17, 2048, generator=torch.Generator().manual_seed(4)).to(dtype)

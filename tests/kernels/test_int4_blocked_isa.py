@@ -1,7 +1,7 @@
 """The blocked int4 / int8 kernels' AVX2, AVX-512-without-VNNI and portable builds.
 
-The server builds kernels/cpu/ with -march=native, so one machine runs one version of
-kernels/cpu/quant_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
+The server builds pagedserve_kernels/cpu/ with -march=native, so one machine runs one version of
+pagedserve_kernels/cpu/quant_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
 is also built for AVX2 only, AVX-512 without VNNI and no SIMD at all, and checked against
 the reference, bitwise batch invariance and the tiled path's block decoders included.
 Three extra compiles (~40 s each): extended.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.models.quant import QuantSpec, quantize, unpack_int4
-from kernels.reference import quant_linear_ref
+from pagedserve_kernels.reference import quant_linear_ref
 from tests.support.isa_builds import build_for_isa
 
 BINDING = r"""

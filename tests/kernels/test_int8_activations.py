@@ -1,16 +1,16 @@
 """8-bit activations (PAGEDSERVE_ACTIVATION_PRECISION=int8) in the few-row packed kernels.
 
 Each kernel against a float64 reference with the SAME activation rounding: x rounded per
-group to int8 (dx = max |x| / 127, as kernels/cpu/group32_activations.h and
-kernels.reference.quantize_activations_ref do), x' = dx * xq, then x' @ W.T in float64
+group to int8 (dx = max |x| / 127, as pagedserve_kernels/cpu/group32_activations.h and
+pagedserve_kernels.reference.quantize_activations_ref do), x' = dx * xq, then x' @ W.T in float64
 with W the format's dequantized weight. The kernels' integer dots are exact, so what is
 left is float32 accumulation over groups: the tolerance is tight (1e-5). Rows are also
 checked bitwise against the same rows run alone (batch invariance).
 
-- the native build (kernels.cpu_kernels, -march=native) for blocked int4 (Q4_1 and Q4_0
+- the native build (pagedserve_kernels.cpu_kernels, -march=native) for blocked int4 (Q4_1 and Q4_0
   as int4), blocked int8 (Q8_0), the row-major int4/int8 kernels, and GGUF Q4_K / Q6_K
   (activations per 256, as llama.cpp's Q8_K; the int16 code takes the int8-valued xq);
-- kernels/cpu/quant_blocked.cpp built for AVX-512 with VNNI, AVX-512 without VNNI, AVX2
+- pagedserve_kernels/cpu/quant_blocked.cpp built for AVX-512 with VNNI, AVX-512 without VNNI, AVX2
   with AVX-VNNI, AVX2 alone and no SIMD (extended: ~40 s of compiling each).
 
 The default model with int8 activations against transformers: tests/engine/test_default_model.py.
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.cpu_kernels as ck
+import pagedserve_kernels.cpu_kernels as ck
 from engine.models.quant import QuantizedWeight, QuantSpec, quantize, unpack_int4
-from kernels.reference import quantize_activations_ref
+from pagedserve_kernels.reference import quantize_activations_ref
 
 needs_kernels = pytest.mark.skipif(not ck.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")

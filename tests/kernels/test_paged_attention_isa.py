@@ -1,7 +1,7 @@
 """The CPU paged-attention kernel's AVX2 and portable builds.
 
-The server builds kernels/cpu/ with -march=native, so one machine runs one version of
-kernels/cpu/paged_attention.cpp (AVX-512: 4-vector value tiles; AVX2: 2-vector tiles and
+The server builds pagedserve_kernels/cpu/ with -march=native, so one machine runs one version of
+pagedserve_kernels/cpu/paged_attention.cpp (AVX-512: 4-vector value tiles; AVX2: 2-vector tiles and
 16 registers; no SIMD: the vector extension's plain loops). Here the file is also built
 for AVX2 only and for no SIMD at all, and checked as the native build is
 (tests/kernels/test_attention_kernels.py `check_rows_batch_invariant`: the reference, and each row alone

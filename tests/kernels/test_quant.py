@@ -11,7 +11,7 @@ import torch
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
-import kernels.cpu_kernels
+import pagedserve_kernels.cpu_kernels
 from engine import LLM, SamplingParams
 from engine.model_loader import load_model, resolve_model
 from engine.models.layers import Linear, MergedLinear
@@ -29,11 +29,11 @@ from engine.models.quant import (
     unpack_int4,
 )
 from engine.models.weight_utils import map_weight_name
-from kernels.reference import quant_linear_ref
+from pagedserve_kernels.reference import quant_linear_ref
 from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
 from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_gguf
 
-needs_kernels = pytest.mark.skipif(not kernels.cpu_kernels.toolchain_available(),
+needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 SPECS = [QuantSpec("int4"), QuantSpec("int4", symmetric=True), QuantSpec("int8")]
 # How far apart two tokens' logprobs may be for a flip between them to count as a
@@ -108,7 +108,7 @@ def test_kernel_matches_torch_reference(spec, num_rows, out_features, in_feature
 
 @needs_kernels
 def test_kernel_rejects_bad_inputs():
-    module = kernels.cpu_kernels.cpu_kernels()
+    module = pagedserve_kernels.cpu_kernels.cpu_kernels()
     qw = quantize(torch.randn(16, 64), QuantSpec("int4"), max_rows=8)
     with pytest.raises(RuntimeError, match="columns"):
         module.int4_linear(torch.randn(2, 32), qw.data, qw.scales, qw.mins)
@@ -202,7 +202,7 @@ def test_blocked_int8_matches_the_reference_on_both_sides_of_max_rows():
                                        atol=1e-5, rtol=1e-5)
         else:
             torch.testing.assert_close(out, x @ dense.T, atol=1e-4, rtol=1e-4)
-    module = kernels.cpu_kernels.cpu_kernels()
+    module = pagedserve_kernels.cpu_kernels.cpu_kernels()
     with pytest.raises(RuntimeError, match="scales"):
         module.int8_linear(torch.randn(2, 160), qw.data, scales)  # row-major scales
     with pytest.raises(RuntimeError, match="columns"):

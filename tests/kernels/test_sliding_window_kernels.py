@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import paged_attention_ref
+import pagedserve_kernels
+from pagedserve_kernels.reference import paged_attention_ref
 from tests.support.attention_cases import (
     WINDOW_BATCH,
     cpu_attention_kernel,
@@ -107,7 +107,7 @@ def test_triton_kernel_sliding_window(window):
     batch = filled_batch()
     scale = 64**-0.5
     table = poisoned_table(batch.block_table, WINDOW_BATCH, window)
-    out = kernels.paged_attention(batch.query, batch.kv_cache, table, batch.query_start_loc,
+    out = pagedserve_kernels.paged_attention(batch.query, batch.kv_cache, table, batch.query_start_loc,
                                   batch.seq_lens, scale, max_query_len=batch.max_query_len,
                                   sliding_window=window)
     torch.testing.assert_close(out[: batch.num_real], reference(batch, window, scale),

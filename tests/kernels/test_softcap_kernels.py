@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import paged_attention_ref
+import pagedserve_kernels
+from pagedserve_kernels.reference import paged_attention_ref
 from tests.support.attention_cases import (
     WINDOW_BATCH,
     filled_batch,
@@ -75,7 +75,7 @@ def test_triton_kernel_soft_cap(window):
     batch = filled_batch()
     table = batch.block_table if window is None else poisoned_table(
         batch.block_table, WINDOW_BATCH, window)
-    out = kernels.paged_attention(batch.query, batch.kv_cache, table, batch.query_start_loc,
+    out = pagedserve_kernels.paged_attention(batch.query, batch.kv_cache, table, batch.query_start_loc,
                                   batch.seq_lens, SCALE, max_query_len=batch.max_query_len,
                                   sliding_window=window, logit_softcap=CAP)
     torch.testing.assert_close(out[: batch.num_real], reference(batch, window),

@@ -7,7 +7,6 @@ number and ends with the -1 marker."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import zmq
 
 from tests.support.model_fixtures import build_tiny_checkpoint
-from tests.support.server_fixtures import ServerThread
+from tests.support.server_fixtures import ServerThread, free_port
 
 BLOCK_SIZE = 16
 
@@ -55,12 +54,6 @@ class KVEventBatch(EventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import sysconfig
 import time
@@ -21,18 +20,12 @@ import httpx
 import pytest
 
 from tests.support.model_fixtures import build_tiny_checkpoint
-from tests.support.server_fixtures import ServerProcess, serving
+from tests.support.server_fixtures import ServerProcess, free_port, serving
 
 # The binary the [test] extra installs beside this interpreter (PATH may not hold it).
 ROUTER = shutil.which("vllm-router", path=sysconfig.get_path("scripts")) or shutil.which(
     "vllm-router")
 needs_router = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +113,6 @@ def test_other_dialects_fields_at_their_defaults_are_accepted(replicas):
 
 @pytest.mark.parametrize("field,value", [("return_hidden_states", True),
                                          ("include_reasoning", False),
-                                         ("continue_final_message", True),
                                          ("no_such_field", 1)])
 def test_what_this_server_does_not_do_is_a_400_naming_the_field(replicas, field, value):
     response = direct(replicas[0], "/v1/chat/completions",

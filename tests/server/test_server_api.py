@@ -495,6 +495,27 @@ def test_models_tokenize_detokenize(client, http, tokenizer):
     assert http.post("/detokenize", json={"tokens": [10**7]}).status_code == 400
 
 
+def test_continue_final_message_ends_inside_the_last_message(http, client, tokenizer):
+    """vLLM's continue_final_message: the prompt stops at the end of the assistant's
+    prefilled text, with no end-of-turn marker and no new turn header."""
+    messages = [{"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "The colour is"}]
+    body = {"messages": messages, "continue_final_message": True,
+            "add_generation_prompt": False}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    closed = http.post("/tokenize", json={**body, "continue_final_message": False}).json()
+    assert tokenizer.decode(tokens).endswith("<|im_start|>assistant\nThe colour is")
+    assert tokenizer.decode(closed["tokens"]).endswith("The colour is<|im_end|>\n")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert chat.usage.prompt_tokens == len(tokens)
+    both = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400
+    assert error_of(both)["param"] == "continue_final_message"
+
+
 def test_health_version_metrics(http, client):
     assert http.get("/health").status_code == 200
     assert http.get("/version").json()["version"]

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-import kernels.cpu_kernels
-import kernels.reference
-from kernels.reference import paged_attention_ref, reshape_and_cache_ref
+import pagedserve_kernels
+import pagedserve_kernels.cpu_kernels
+import pagedserve_kernels.reference
+from pagedserve_kernels.reference import paged_attention_ref, reshape_and_cache_ref
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-HAS_TRITON = kernels.triton_available()
+HAS_TRITON = pagedserve_kernels.triton_available()
 # Whether this process can run the kernels (imports triton when present).
-IN_PROCESS = HAS_TRITON and (CUDA or kernels.triton_interpreted())
+IN_PROCESS = HAS_TRITON and (CUDA or pagedserve_kernels.triton_interpreted())
 
 needs_kernels = pytest.mark.skipif(
     not IN_PROCESS,
@@ -133,13 +133,13 @@ def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
-HAS_COMPILER = kernels.cpu_kernels.toolchain_available()
+HAS_COMPILER = pagedserve_kernels.cpu_kernels.toolchain_available()
 NO_ROW_TABLES = torch.empty(0, dtype=torch.int32)  # query row b reads block-table row b
 
 
 def cpu_attention_kernel():
     """The C++ CPU paged-attention kernel; where a compiler exists it must have built."""
-    from kernels.cpu_kernels import paged_attention_kernel
+    from pagedserve_kernels.cpu_kernels import paged_attention_kernel
 
     kernel = paged_attention_kernel()
     if kernel is None:
@@ -211,7 +211,7 @@ def poisoned_table(block_table: torch.Tensor, specs, window: int, poison_block: 
 
 def filled_batch(num_heads=8, num_kv_heads=2, head_size=64):
     batch = make_batch(WINDOW_BATCH, num_heads, num_kv_heads, head_size, BLOCK_SIZE)
-    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
+    pagedserve_kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
                                             batch.slot_mapping)
     return batch
 
@@ -238,6 +238,6 @@ def torch_backend_forward(window: int | None, use_cpu_kernel: bool, scale: float
         query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
     out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale,
                           sliding_window=window, **forward_kwargs)
-    kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
+    pagedserve_kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,
                                             batch.slot_mapping)
     return out[: batch.num_real], batch

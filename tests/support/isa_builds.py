@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
+KERNELS = Path(__file__).resolve().parents[2] / "pagedserve_kernels" / "cpu"
 
 
 def build_for_isa(name: str, source: str, binding: str, cflags: list[str], tmp_path: Path):
-    """The extension of kernels/cpu/`source` plus the pybind11 `binding` text, compiled
+    """The extension of pagedserve_kernels/cpu/`source` plus the pybind11 `binding` text, compiled
     with `cflags` (e.g. ["-O2", "-mavx2", "-mfma", "-mf16c"]) into `tmp_path`."""
     from torch.utils.cpp_extension import load
 

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -285,6 +286,14 @@ def start_fake_server(tokenizer_dir: Path, **options) -> ServerThread:
     return ServerThread(build_fake_server(tokenizer_dir, **options)).start()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a socket a test binds
+    itself, or hands to a program that cannot take port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class LoggedServerProcess:
     """A server in a subprocess, its merged stdout/stderr collected line by line.
 
@@ -325,8 +334,7 @@ class ServerProcess(LoggedServerProcess):
 
     def __init__(self, args: list[str], env: dict[str, str]):
         full_env = {**os.environ, **env}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO), str(REPO / "tests"), full_env.get("PYTHONPATH", "")])
+        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
         super().__init__([sys.executable, "-m", "server", "serve", *args], full_env)
 
     def stop(self) -> int:

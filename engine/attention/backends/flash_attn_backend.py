@@ -21,7 +21,7 @@ class FlashAttentionBackend(AttentionBackend):
                 sliding_window: int | None = None, logit_softcap: float | None = None):
         from flash_attn import flash_attn_varlen_func
 
-        from kernels.reshape_and_cache import reshape_and_cache
+        from pagedserve_kernels.reshape_and_cache import reshape_and_cache
 
         num_tokens = metadata.num_actual_tokens
         # flash-attn's window counts the keys to the left besides the query's own.

@@ -1,6 +1,6 @@
 """The torch attention backend: the CPU default (on CUDA: a fallback beside flash_attn
 and triton). Despite its name, most of its CPU work runs in C++ (below); the ground truth
-all attention paths are tested against is `kernels.reference.paged_attention_ref`
+all attention paths are tested against is `pagedserve_kernels.reference.paged_attention_ref`
 (tests/kernels/test_attention_kernels.py, tests/kernels/test_sliding_window_kernels.py, tests/kernels/test_softcap_kernels.py).
 
 Its cache is head-major, one tensor per layer:
@@ -13,7 +13,7 @@ is fast on, with no transpose copy after the gather.
 
 Decodes (query length 1) and short prompt chunks (up to KERNEL_MAX_CHUNK tokens,
 e.g. the suffix after a prefix-cache hit) run in one call of the C++ kernel in
-`kernels/cpu_kernels.py`, which reads the paged cache in place (float32, bfloat16
+`pagedserve_kernels/cpu_kernels.py`, which reads the paged cache in place (float32, bfloat16
 or float16, when it builds); otherwise decodes run as batched SDPAs over their gathered
 blocks, in groups of similar length. Longer prompt chunks run their own SDPA with a
 causal mask offset by their cached context: SDPA's blocked kernel beats the per-row
@@ -35,8 +35,8 @@ from engine import batch_invariant
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
-from kernels.cpu_kernels import HEAD_SIZES as KERNEL_HEAD_SIZES
-from kernels.cpu_kernels import fused_ops_for, paged_attention_kernel
+from pagedserve_kernels.cpu_kernels import HEAD_SIZES as KERNEL_HEAD_SIZES
+from pagedserve_kernels.cpu_kernels import fused_ops_for, paged_attention_kernel
 
 
 def write_to_kv_cache(

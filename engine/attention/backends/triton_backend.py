@@ -12,8 +12,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale,
                 sliding_window: int | None = None, logit_softcap: float | None = None):
-        from kernels.paged_attention import paged_attention
-        from kernels.reshape_and_cache import reshape_and_cache
+        from pagedserve_kernels.paged_attention import paged_attention
+        from pagedserve_kernels.reshape_and_cache import reshape_and_cache
 
         if kv_cache is None:  # profiling pass: delegate to the reference path
             from engine.attention.backends.torch_backend import TorchAttentionBackend

@@ -85,11 +85,9 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of 'prompt' and 'messages'.", "prompt",
                            "invalid_value")
-        if body.continue_final_message:
-            raise APIError(400, "continue_final_message is not supported.",
-                           "continue_final_message", "unsupported_parameter")
         if body.messages is not None:
-            _, tokens = apply_chat_template(state, body.messages, body.add_generation_prompt)
+            _, tokens = apply_chat_template(state, body.messages, body.add_generation_prompt,
+                                            continue_final_message=body.continue_final_message)
         else:
             tokens = list(state.tokenizer(body.prompt,
                                           add_special_tokens=body.add_special_tokens).input_ids)

@@ -108,9 +108,10 @@ def test_fuzz(api_schema, http_session, label, mode):
     def fuzz(case, served):
         if served and isinstance(case.body, dict):
             # A random `model` is a 404; a random `priority` (fcfs server), `best_of`
-            # (!= n) or `suffix` a 400: in half the cases leave them out, so that more
-            # requests reach the engine.
-            for field in ("model", "priority", "best_of", "suffix"):
+            # (!= n), `suffix` or continue_final_message (true needs add_generation_prompt
+            # false) a 400: in half the cases leave them out, so that more requests reach
+            # the engine.
+            for field in ("model", "priority", "best_of", "suffix", "continue_final_message"):
                 case.body.pop(field, None)
             if label in MODEL_REQUIRED:
                 case.body["model"] = "fake-echo"

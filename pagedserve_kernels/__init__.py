@@ -1,7 +1,7 @@
 """pagedserve's device kernels: C++ for the CPU, Triton for CUDA.
 
-* C++ (``kernels/cpu/``, most of the code: ~3.2k lines), one extension built on first use
-  by ``kernels.cpu_kernels``: paged attention, the int4/int8 and GGUF linears, the small
+* C++ (``pagedserve_kernels/cpu/``, most of the code: ~3.2k lines), one extension built on first use
+  by ``pagedserve_kernels.cpu_kernels``: paged attention, the int4/int8 and GGUF linears, the small
   fused ops between the matmuls, and a dense decoder's whole layer stack.
 * Triton (this package, ~0.4k lines), for the CUDA attention backends:
   ``reshape_and_cache`` scatters this step's new K/V into the paged cache (``triton`` and
@@ -10,18 +10,18 @@
 
 What each is tested against (its reference), and where:
 
-* Triton ``reshape_and_cache``, ``paged_attention``: ``kernels.reference`` (torch);
+* Triton ``reshape_and_cache``, ``paged_attention``: ``pagedserve_kernels.reference`` (torch);
   tests/kernels/test_attention_kernels.py (under the Triton interpreter without CUDA).
-* C++ ``paged_attention.cpp``: ``kernels.reference.paged_attention_ref``; tests/kernels/test_attention_kernels.py,
+* C++ ``paged_attention.cpp``: ``pagedserve_kernels.reference.paged_attention_ref``; tests/kernels/test_attention_kernels.py,
   test_paged_attention_isa.py, test_sliding_window_kernels.py, test_softcap_kernels.py.
-* C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``kernels.reference.quant_linear_ref``;
+* C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``pagedserve_kernels.reference.quant_linear_ref``;
   tests/kernels/test_quant.py, test_int4_blocked_isa.py.
 * C++ ``gguf_linear.cpp``: gguf-py's ``dequantize`` and a float64 matmul; tests/kernels/test_gguf_kernels.py.
 * C++ ``fused_ops.cpp``: the torch paths of the modules they replace (RMSNorm, rotary,
   SiluAndMul, the KV-cache write); tests/engine/test_fused_ops.py.
 * C++ ``decoder_stack.cpp``: the Python decoder layers, bit for bit; tests/kernels/test_fused_decoder.py.
 
-Triton is imported lazily, on the first kernel launch, so ``import kernels``, the C++ kernels
+Triton is imported lazily, on the first kernel launch, so ``import pagedserve_kernels``, the C++ kernels
 and the torch references work on machines without triton.
 
 Compiled or interpreted? With triton 3.9 the choice is made per process, when ``triton`` is
@@ -70,7 +70,7 @@ def import_triton() -> tuple[Any, Any]:
         import triton.language as tl
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the pagedserve Triton kernels need triton; kernels.reference has torch versions"
+            "the pagedserve Triton kernels need triton; pagedserve_kernels.reference has torch versions"
         ) from e
     return triton, tl
 

@@ -37,7 +37,7 @@
 //   out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] dx[m, g] sum(xq[m, g])
 // (int8: no mins term). Each (m, n) takes the same instructions in the same order
 // whatever the batch: the kernel is batch invariant. Reference:
-// kernels.reference.quant_linear_ref.
+// pagedserve_kernels.reference.quant_linear_ref.
 //
 // 8-bit activations (activation_bits() == 8, group32_activations.h): x rounded to int8
 // per group (dx = max |x| / 127), the same formula. A quad's four columns of one output row

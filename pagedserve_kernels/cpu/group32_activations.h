@@ -3,7 +3,7 @@
 // helpers. The rounding's error bound is worked out at the top of quant_linear.cpp.
 //
 // Activation precision (PAGEDSERVE_ACTIVATION_PRECISION, set from Python by
-// kernels.cpu_kernels through set_activation_bits): with 16 bits x is rounded to
+// pagedserve_kernels.cpu_kernels through set_activation_bits): with 16 bits x is rounded to
 // xq = round(x / dx), dx = max |x| / 32767 per group; with 8 bits dx = max |x| / 127 and
 // |xq| <= 127, as llama.cpp's Q8_0 blocks. Every few-row kernel computes the same formula
 // from xq whichever precision; with 8 bits the kernels that have an 8-bit instruction path

@@ -1,6 +1,6 @@
 """Triton kernel: causal attention for a mixed prefill/decode batch over the paged KV cache.
 
-Contract (see also ``kernels.reference.paged_attention_ref``, the ground truth)::
+Contract (see also ``pagedserve_kernels.reference.paged_attention_ref``, the ground truth)::
 
     query           [T, Hq, D]      the step's tokens of all requests, concatenated
     kv_cache        [2, num_blocks, block_size, Hkv, D]   already holds this step's K/V
@@ -53,7 +53,7 @@ import torch
 
 from . import check_device, jit_kernel, triton_interpreted
 
-tl: Any = None  # bound to triton.language by kernels.jit_kernel before the first launch
+tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
 
 
 def _next_pow2(n: int) -> int:

@@ -1,31 +1,31 @@
 """The C++ CPU kernels, one extension built on first use.
 
-- `kernels/cpu/paged_attention.cpp`: attention of decode tokens and prompt-chunk
+- `pagedserve_kernels/cpu/paged_attention.cpp`: attention of decode tokens and prompt-chunk
   tokens reading K and V straight from the head-major paged cache, where the
   pure-torch path must first gather each request's blocks into a dense copy: at
   batch 64 and ~500-token contexts that gather moves more bytes per step than the
   attention itself reads.
-- `kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
+- `pagedserve_kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
   (`quant_blocked.cpp`: int4/int8 in blocks of 16 output rows, the layout for wide batches)
   with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
-- `kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
+- `pagedserve_kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
   residual add, RoPE, SiLU x up, the KV-cache write), one call each.
-- `kernels/cpu/decoder_stack.cpp`: a dense decoder's layers in one call, the kernels
-  above one after another (engine.models.fused_decoder). `kernels/cpu/ops.h` declares
+- `pagedserve_kernels/cpu/decoder_stack.cpp`: a dense decoder's layers in one call, the kernels
+  above one after another (engine.models.fused_decoder). `pagedserve_kernels/cpu/ops.h` declares
   every entry point.
 
 The extension is compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja;
 `-march=native`, so for this machine; ~1 min of compiler time, four files built in
-parallel; `make venv` builds it, `python -m kernels.cpu_kernels` too) into
+parallel; `make venv` builds it, `python -m pagedserve_kernels.cpu_kernels` too) into
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) once, and loaded from
 there afterwards. Where it cannot be built, `paged_attention_kernel()` returns None
 and the backend keeps the torch path. `PAGEDSERVE_CPU_KERNELS=0` turns it off.
-What each kernel is tested against: the table in `kernels/__init__.py`.
+What each kernel is tested against: the table in `pagedserve_kernels/__init__.py`.
 
 The few-row int4/int8/GGUF kernels round the activations per group to int16 or int8
 (`PAGEDSERVE_ACTIVATION_PRECISION=int16|int8`, read when the module is loaded; unset:
 `default_activation_precision()`); `set_activation_precision` changes it in-process
-(benchmarks, tests). See `kernels/cpu/group32_activations.h`.
+(benchmarks, tests). See `pagedserve_kernels/cpu/group32_activations.h`.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def build_directory() -> Path:
 
 
 def _sources_tag() -> str:
-    """A digest of every C++ source and header of kernels/cpu."""
+    """A digest of every C++ source and header of pagedserve_kernels/cpu."""
     digest = hashlib.sha256()
     for path in sorted(SOURCES[0].parent.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
@@ -223,7 +223,7 @@ def _build():
     return module
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_kernels`: build now (make venv does)
+if __name__ == "__main__":  # `python -m pagedserve_kernels.cpu_kernels`: build now (make venv does)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = cpu_kernels()
     print(f"C++ CPU kernels: {built.__file__ if built is not None else 'unavailable'}")

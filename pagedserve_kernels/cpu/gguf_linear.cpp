@@ -24,7 +24,7 @@
 //   tile (~16 MiB) of decoded weights exists at a time. int4/int8 weights
 //   (quant_linear.cpp's formats) take the same path through their own row decoder.
 //
-// References: kernels.reference.gguf_linear_ref (gguf-py's dequantize + a float32 matmul).
+// References: pagedserve_kernels.reference.gguf_linear_ref (gguf-py's dequantize + a float32 matmul).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -24,7 +24,7 @@ import torch
 
 from . import check_device, jit_kernel
 
-tl: Any = None  # bound to triton.language by kernels.jit_kernel before the first launch
+tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
 
 
 def _next_pow2(n: int) -> int:
@@ -90,7 +90,7 @@ def reshape_and_cache(
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping``, in place.
 
     Tokens whose slot is ``-1`` are skipped. Values are cast to the cache dtype.
-    Same semantics as ``kernels.reference.reshape_and_cache_ref``.
+    Same semantics as ``pagedserve_kernels.reference.reshape_and_cache_ref``.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)

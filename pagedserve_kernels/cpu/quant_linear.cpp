@@ -31,7 +31,7 @@
 // Q4_1 answer to "What is the capital of France?" flips from "The capital ..." to
 // "L'Étoile ...", a near-tie that 8-bit rounding tips over.)
 //
-// Its torch reference is kernels.reference.quant_linear_ref. Each thread takes a range
+// Its torch reference is pagedserve_kernels.reference.quant_linear_ref. Each thread takes a range
 // of output rows n; x's rows are taken four at a time, so a group's weights are
 // decoded once for four rows (dot_rows); an int4 batch of one row (a one-client
 // decode step) takes dot_rows_int4, which decodes two groups per load and scales eight

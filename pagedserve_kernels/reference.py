@@ -1,7 +1,7 @@
 """Pure-torch reference implementations of the paged-KV-cache and quantized-linear kernels.
 
 The ground truth that the Triton kernels (``reshape_and_cache``, ``paged_attention``), the
-C++ paged-attention kernel (``kernels/cpu/paged_attention.cpp``) and the C++ int4/int8
+C++ paged-attention kernel (``pagedserve_kernels/cpu/paged_attention.cpp``) and the C++ int4/int8
 linears (``quant_linear.cpp``, ``quant_blocked.cpp``: ``quant_linear_ref``) are tested
 against. They favour clarity over speed: plain indexing and a per-request loop, fp32 maths.
 They need only torch (no triton, no compiler).
@@ -13,7 +13,7 @@ paths of the modules they replace, e.g. ``RMSNorm.forward_torch`` (tests/engine/
 the decoder stack (``decoder_stack.cpp``) against the Python decoder layers, bit for bit
 (tests/kernels/test_fused_decoder.py).
 
-Layouts (shared with ``kernels.reshape_and_cache`` and ``kernels.paged_attention``)::
+Layouts (shared with ``pagedserve_kernels.reshape_and_cache`` and ``pagedserve_kernels.paged_attention``)::
 
     kv_cache        [2, num_blocks, block_size, num_kv_heads, head_size]   (0 = K, 1 = V)
     slot_mapping    int64 [num_tokens]     slot = block_id * block_size + offset, -1 = padding
@@ -128,7 +128,7 @@ def quantize_activations_ref(x: torch.Tensor, group: int = 32, bits: int = 16
     """x float32 [M, K] -> (xq [M, K / group, group] integer values as float32, dx [M, G], sums [M, G]).
 
     Per group: dx = max|x| / L, xq = round(x * (1 / dx)) half to even (0 where dx = 0),
-    sums = dx * sum(xq), as `kernels/cpu/group32_activations.h` does; L = 32767 for 16-bit
+    sums = dx * sum(xq), as `pagedserve_kernels/cpu/group32_activations.h` does; L = 32767 for 16-bit
     activations, 127 for 8-bit ones (`bits`, the kernels' PAGEDSERVE_ACTIVATION_PRECISION).
     """
     rows, cols = x.shape
