@@ -201,7 +201,13 @@ class ModelConfig:
         choices=("auto", "none", "int8", "int4"))
     max_model_len: int | None = option(
         None, "--max-model-len", "Context length (prompt + output tokens). Default: the "
-        "model's.", group="model", type=positive_int)
+        "model's (an embedding model's: its sentence-transformers max_seq_length).",
+        group="model", type=positive_int)
+    runner: str = option(  # engine.model_loader.pooling_config
+        "auto", "--runner", "What the model serves, as vLLM spells it: 'generate' (text), "
+        "'pooling' (embeddings: /v1/embeddings, Ollama's /api/embed), or 'auto' (pooling for "
+        "an encoder such as BertModel, else generate).", group="model",
+        choices=("auto", "generate", "pooling"))
     seed: int = option(0, "--seed", "Random seed of the engine (requests without a seed).",
                        group="model", type=int)
     enforce_eager: bool = option(

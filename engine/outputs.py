@@ -49,6 +49,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # Requests whose step failed (e.g. a fault in the forward pass): req_id -> message.
     errors: dict[str, str] = field(default_factory=dict)
+    # Pooling requests whose prompt this step computed: req_id -> their vector
+    # (engine.worker.pooler); they sample nothing.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -67,6 +70,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (it finishes with it)
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import BlockHash, BlockHasher
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,9 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    # A pooling request (embeddings): prefill only, its output a vector (see
+    # engine.pooling_params); its sampling_params are unused.
+    pooling_params: PoolingParams | None = None
 
 
 class Request:
@@ -76,6 +80,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_output_placeholders",
         "num_cached_tokens", "num_preemptions", "max_tokens", "last_token_time", "grammar",
         "stop_check_token_ids", "_block_hasher", "block_hashes", "_next_full_block_tokens",
+        "pooling_params",
     )
 
     def __init__(
@@ -88,6 +93,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -96,6 +102,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -138,6 +145,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             block_hasher=block_hasher,
+            pooling_params=request.pooling_params,
         )
 
     @property

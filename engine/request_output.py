@@ -91,6 +91,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # One entry per prompt token (the first is None); None unless prompt_logprobs was set.
     prompt_logprobs: list[SampleLogprob | None] | None = None
+    # A pooling request's vector (engine.pooling_params), once finished; else None.
+    pooled: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

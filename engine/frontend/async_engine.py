@@ -40,6 +40,7 @@ from engine.frontend.core_client import (
 from engine.frontend.output_processor import OutputProcessor, RequestState
 from engine.frontend.processor import Processor
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 # Outputs processed between two yields to the event loop, so HTTP handling and SSE
 # writes interleave with a big batch's detokenization.
 _OUTPUT_CHUNK = 128
+# A pooling request samples nothing; these only satisfy the prompt checks.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 # check_health(): how long the core's loop may take to answer a Ping (it answers
 # between two steps), and, when it does not answer in time, for how long a core that
 # is busy (a step's outputs arrived, or it was just given work) still counts as alive.
@@ -245,6 +248,27 @@ class AsyncEngine:
         finally:
             await stream.aclose()  # the consumer left early (closed, cancelled, raised)
 
+    async def encode(
+        self,
+        prompt: str | Sequence[int],
+        pooling_params: PoolingParams,
+        req_id: str,
+        *,
+        priority: int = 0,
+    ) -> RequestOutput:
+        """A pooling request (embeddings): its prompt computed in one step, its finished
+        output's `pooled` the vector. Errors as `generate`'s; cancelling the await aborts
+        it."""
+        stream = await self.add_request(prompt, POOLING_SAMPLING_PARAMS, req_id,
+                                        priority=priority, pooling_params=pooling_params)
+        last = None
+        try:
+            async for output in stream:
+                last = output
+        finally:
+            await stream.aclose()
+        return last
+
     async def add_request(
         self,
         prompt: str | Sequence[int],
@@ -255,13 +279,14 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> RequestStream:
         """Queue a request now and return its stream (see `generate` for the errors).
 
         The caller owns the stream: it must iterate it to the end or `aclose()` it.
         """
         state = await self._add_request(prompt, sampling_params, req_id, prompt_text,
-                                        priority, cache_salt, arrival_time)
+                                        priority, cache_salt, arrival_time, pooling_params)
         return RequestStream(self, state)
 
     def abort_request(self, req_id: str) -> bool:
@@ -274,14 +299,15 @@ class AsyncEngine:
         return True
 
     async def _add_request(self, prompt, params, req_id, prompt_text, priority, cache_salt,
-                           arrival_time) -> RequestState:
+                           arrival_time, pooling_params=None) -> RequestState:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         processed = self.processor.process_inputs(
             req_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
-            prompt_text=prompt_text, priority=priority, cache_salt=cache_salt)
+            prompt_text=prompt_text, priority=priority, cache_salt=cache_salt,
+            pooling_params=pooling_params)
         self._ensure_output_task()
         if not self._requests:
             self._busy_since = time.monotonic()

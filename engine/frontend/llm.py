@@ -20,6 +20,7 @@ from engine.core.core import EngineCore
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
 from engine.model_loader.resources import load_model_resources
+from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
 from engine.sampling_defaults import resolve_sampling_defaults
 from engine.sampling_params import SamplingParams
@@ -118,6 +119,24 @@ class LLM:
         prompts = [self.apply_chat_template(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One vector per prompt (`output.pooled`), in input order: each prompt computed
+        whole in one step and pooled (engine.pooling_params; default: the model's own
+        pooling, `self.resources.pooling`)."""
+        from engine.frontend.async_engine import POOLING_SAMPLING_PARAMS
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        pooling_params = pooling_params or self.resources.pooling
+        return self._run(prompts, [POOLING_SAMPLING_PARAMS] * len(prompts), use_tqdm,
+                         pooling_params)
+
     def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=True
@@ -128,13 +147,15 @@ class LLM:
 
     # ---------------------------------------------------------------- internals
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+        pooling_params: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         """Add every request (raises PromptError before any is added), then step the core
         until all are done."""
         core, output_processor = self.engine_core, self.output_processor
         processed = [
-            self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time())
+            self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time(),
+                                          pooling_params=pooling_params)
             for prompt, params in zip(prompts, params_list, strict=True)
         ]
         states = [output_processor.add_request(request) for request in processed]

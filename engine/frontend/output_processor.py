@@ -73,6 +73,7 @@ class RequestState:
             [None] if processed.params.prompt_logprobs is not None else None
         )
         self.error: str | None = None
+        self.pooled: list[float] | None = None  # a pooling request's vector
         self.engine_dead = False  # `error` is the dead engine's (not this request's own)
         self.changed = asyncio.Event()
 
@@ -154,6 +155,8 @@ class OutputProcessor:
         if state.prompt_logprobs is not None and core_output.new_prompt_logprobs is not None:
             state.prompt_logprobs.extend(self.convert_logprobs(core_output.new_prompt_logprobs))
         state.num_cached_tokens = max(state.num_cached_tokens, core_output.num_cached_tokens)
+        if core_output.pooled is not None:
+            state.pooled = core_output.pooled
         if stop_string is not None:
             seq.finish("stop", stop_string)
             if not core_output.finished:
@@ -210,6 +213,7 @@ class OutputProcessor:
             metrics=state.metrics.copy(),
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,
+            pooled=state.pooled,
         )
 
     @staticmethod

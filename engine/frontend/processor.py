@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.pooling_params import PoolingParams
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
@@ -132,15 +133,18 @@ class Processor:
         prompt_text: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ProcessedRequest:
         """Tokenize and check (raises PromptError), then fan out: a request with n == 1
-        keeps its id; sequence i of a larger n is "{req_id}-{i}" with its own seed."""
+        keeps its id; sequence i of a larger n is "{req_id}-{i}" with its own seed.
+        A pooling request (`pooling_params`) may fill the whole context."""
         if isinstance(prompt, str):
             prompt_text = prompt
             prompt_token_ids = list(self.tokenizer(prompt).input_ids)
         else:
             prompt_token_ids = [int(t) for t in prompt]
-        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, params,
+                     self.max_model_len + (pooling_params is not None), self.vocab_size)
         core_requests = [
             EngineCoreRequest(
                 req_id=req_id if params.n == 1 else f"{req_id}-{index}",
@@ -151,6 +155,7 @@ class Processor:
                 arrival_time=arrival_time,
                 priority=priority,
                 cache_salt=cache_salt,
+                pooling_params=pooling_params,
             )
             for index in range(params.n)
         ]

@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.model_loader.chat_templates import check_chat_template, choose_chat_template
+from engine.model_loader.pooling_config import PoolingConfig, read_pooling_config
 from engine.model_loader.source import ModelSourceError, resolve_model
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -45,6 +47,12 @@ class ModelResources:
     # Where tokenizer.chat_template came from (engine/model_loader/chat_templates.py):
     # "the model's", "built-in gemma (the model has none)", "--chat-template FILE", ...
     chat_template_source: str = "the model's"
+    # How the model pools for embeddings (engine/model_loader/pooling_config.py).
+    pooling_config: PoolingConfig = PoolingConfig(PoolingParams("last"))
+
+    @property
+    def pooling(self) -> PoolingParams:
+        return self.pooling_config.pooling
 
     @property
     def chat_template(self) -> str | None:
@@ -131,4 +139,4 @@ def load_model_resources(model: str | os.PathLike,
         if marker in vocab and vocab[marker] not in ids:
             ids.append(vocab[marker])
     return ModelResources(tokenizer, ids[0] if ids else None, ids[1:], generation_config,
-                          choice.source)
+                          choice.source, read_pooling_config(model_dir, model_type_of(model_dir)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ class NewRequestData:
     # KV-cache groups 1.. (a model mixing sliding-window and full attention:
     # engine.kv_cache.groups): their block ids; `block_ids` are group 0's.
     extra_group_block_ids: list[list[int]] = field(default_factory=list)
+    # A pooling request: the runner pools its prompt's hidden states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

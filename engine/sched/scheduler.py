@@ -112,11 +112,19 @@ class Scheduler:
         request = Request.from_engine_core_request(core_request, self.block_hasher)
         if request.req_id in self.requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
-        if request.num_prompt_tokens >= self.max_model_len:
+        # A pooling prompt may fill the context (no token follows it); it is computed in
+        # one step, so it must also fit the step's token budget.
+        pooling = request.pooling_params is not None
+        if request.num_prompt_tokens >= self.max_model_len + pooling:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len "
                 f"{self.max_model_len}"
             )
+        if pooling and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"a pooling prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_num_batched_tokens {self.config.max_num_batched_tokens} (it is "
+                "computed in one step)")
         # A request can grow to max_model_len, and never beyond the whole KV cache
         # (only a test-sized cache is smaller than max_model_len): past that it could
         # only preempt itself forever.
@@ -359,9 +367,15 @@ class Scheduler:
             if step.preempted and request.priority >= min(v.priority for v in step.preempted):
                 break  # after preempting, only requests that outrank every victim jump in
             if len(running) < self.config.max_num_seqs:
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                if request.pooling_params is None:
+                    computed_blocks, num_computed = \
+                        self.kv_cache_manager.get_computed_blocks(request)
+                else:  # pooling reads every token's hidden state: it computes them all
+                    computed_blocks, num_computed = None, 0
                 num_new_tokens = request.num_tokens - num_computed
-                if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                if num_new_tokens > step.token_budget and (
+                        not self.config.enable_chunked_prefill
+                        or request.pooling_params is not None):
                     break  # it must be computed whole, and does not fit this step
                 num_new_tokens = min(num_new_tokens, step.token_budget)
                 if self.kv_cache_manager.allocate_slots(
@@ -408,7 +422,7 @@ class Scheduler:
             for req_id, num_tokens in num_scheduled_tokens.items():
                 request = requests[req_id]
                 request.num_computed_tokens += num_tokens
-                if (request.num_computed_tokens
+                if (request.pooling_params is None and request.num_computed_tokens
                         >= len(request.all_token_ids) + request.num_output_placeholders):
                     request.num_output_placeholders += 1
         else:
@@ -494,6 +508,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 eos_token_id=r.eos_token_id,
                 extra_group_block_ids=manager.get_extra_group_block_ids(r.req_id),
+                pooling_params=r.pooling_params,
             )
             for r in scheduled_new
         ]
@@ -613,6 +628,11 @@ class Scheduler:
             if errors and req_id in errors:
                 outputs.append(self._fail_request(request, was_running, errors[req_id]))
                 continue
+            if request.pooling_params is not None:
+                if req_id in runner_output.pooled:  # its prompt is computed: done
+                    outputs.append(self._finish_pooling(request, was_running,
+                                                        runner_output.pooled[req_id]))
+                continue
             index = req_id_to_index.get(req_id)
             sampled = sampled_token_ids[index] if index is not None else []
             new_token_ids = self._append_sampled(request, sampled) if sampled else []
@@ -674,6 +694,15 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED  # complete, stop accepted
                 break
         return new_token_ids
+
+    def _finish_pooling(self, request: Request, running: bool,
+                        vector: list[float]) -> EngineCoreOutput:
+        """Finish a pooling request whose prompt the step computed: its output carries
+        the vector; its blocks are free when this returns."""
+        self._dequeue(request, running)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(request.req_id, [], "stop", pooled=vector)
 
     def _fail_request(self, request: Request, running: bool, error: str) -> EngineCoreOutput:
         """Finish a request whose step failed in the runner; its error output."""

@@ -110,6 +110,12 @@ class Worker:
         model = load_model(model_dir, dtype, device, config.model_config.quantization)
         text_config = hf_config.get_text_config()  # a multimodal checkpoint's language model
         self.max_model_len = resolve_max_model_len(text_config, config.model_config.max_model_len)
+        if config.model_config.max_model_len is None and getattr(model, "is_pooling_model", False):
+            from engine.model_loader.pooling_config import read_pooling_config
+
+            seq_len = read_pooling_config(model_dir, text_config.model_type).max_seq_length
+            if seq_len is not None:  # where sentence-transformers truncates
+                self.max_model_len = min(self.max_model_len, seq_len)
         self.vocab_size = text_config.vocab_size
         block_size = config.cache_config.block_size
         self.backend = select_attention_backend(config.device_config.attention_backend, device,
@@ -160,6 +166,10 @@ class Worker:
             raise ValueError("speculative method draft_model needs a target with full-"
                              "attention layers: its draft reads KV-cache group 0's blocks, "
                              "and this model's keep only a sliding window")
+        if not self.specs:
+            # No KV cache (an encoder such as BERT attends within the step): the blocks
+            # are bookkeeping only, enough for every seat to hold a whole context.
+            return sched.max_num_seqs * -(-self.max_model_len // block_size)
         available = kv_cache_init.available_kv_cache_bytes(device, config.cache_config)
         if device.type == "cpu":
             available //= rank.local_size  # the CPU budget is the node's, shared by its ranks

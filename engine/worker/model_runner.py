@@ -11,6 +11,8 @@
                        drafts in _prepare_inputs and sees its other tokens after the
                        forward: worker/draft_model.py)
       sample           logits of each request's last token -> sampler
+      pool             a pooling request (embeddings) pools its prompt's hidden states
+                       instead (worker/pooler.py); a pooling model (BERT) only pools
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from engine.distributed.parallel_state import get_tp_group, whole_model_on_each_
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.outputs import Logprobs, ModelRunnerOutput
+from engine.pooling_params import PoolingParams
 from engine.sample import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
 from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
 from engine.worker.draft_model import DraftModel
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.pooler import pool_rows
 
 
 @dataclass
@@ -73,6 +77,9 @@ class ModelInputs:
     # Speculative decoding (None in a step without drafts): logits_indices then holds
     # each sampling request's last 1 + k tokens.
     drafts: DraftRows | None = None
+    # Pooling requests whose whole prompt is this step's (indices into req_ids): they
+    # pool their tokens' hidden states and are not among the sampling ones.
+    pool_req_indices: list[int] | None = None
 
 
 class ModelRunner:
@@ -99,6 +106,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.eos_token_ids: dict[str, int | None] = {}
         self._prompt_logprobs_req_ids: set[str] = set()  # requests that want them
+        self._pooling_params: dict[str, PoolingParams] = {}  # pooling requests
+        # A pooling model (an encoder such as BERT) has no lm_head: it only pools.
+        self.is_pooling_model = bool(getattr(model, "is_pooling_model", False))
         # Seeded generators of preempted requests, for their resumption: a request that
         # verified drafts drew more than one row of uniforms per token.
         self._preempted_generators: dict[str, torch.Generator] = {}
@@ -161,7 +171,8 @@ class ModelRunner:
         positions = torch.from_numpy(positions).to(self.device)
         with set_forward_context(metadata, self.backend):
             hidden = self.model(input_ids, positions)
-        self.model.compute_logits(hidden[-len(lengths):])
+        if not self.is_pooling_model:
+            self.model.compute_logits(hidden[-len(lengths):])
         if self.draft_model is not None:
             draft = self.draft_model
             with whole_model_on_each_rank(), set_forward_context(metadata, draft.backend):
@@ -189,7 +200,20 @@ class ModelRunner:
             sampled_token_ids=sampled[0],
             logprobs=sampled[1],
             prompt_logprobs=prompt_logprobs,
+            pooled=self._pool(inputs, hidden_states),
         )
+
+    def _pool(self, inputs: ModelInputs, hidden_states: torch.Tensor) -> dict[str, list[float]]:
+        """req_id -> vector of each pooling request whose prompt this step computed (in
+        one step: rows query_start_loc[i] .. query_start_loc[i + 1])."""
+        if not inputs.pool_req_indices:
+            return {}
+        starts = inputs.attn_metadata.query_start_loc_np
+        return {
+            inputs.req_ids[i]: pool_rows(hidden_states, int(starts[i]), int(starts[i + 1]),
+                                         self._pooling_params[inputs.req_ids[i]])
+            for i in inputs.pool_req_indices
+        }
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""
@@ -220,6 +244,7 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.eos_token_ids.pop(req_id, None)
             self._prompt_logprobs_req_ids.discard(req_id)
+            self._pooling_params.pop(req_id, None)
             self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
@@ -239,6 +264,8 @@ class ModelRunner:
             self.eos_token_ids[new.req_id] = new.eos_token_id
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs_req_ids.add(new.req_id)
+            if new.pooling_params is not None:
+                self._pooling_params[new.req_id] = new.pooling_params
             self._add_row(state)
         if scheduler_output.num_blocks_after_rollback:
             self._cut_block_lists(scheduler_output.num_blocks_after_rollback)
@@ -363,6 +390,12 @@ class ModelRunner:
         # A request samples once every token it knows is computed; a request in the
         # middle of a chunked prefill does not.
         sample_req_indices = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        pool_req_indices = None
+        if self._pooling_params:  # pooling requests pool instead of sampling
+            pooling = self._pooling_params
+            pool_req_indices = [i for i in sample_req_indices.tolist() if req_ids[i] in pooling]
+            if pool_req_indices:
+                sample_req_indices = np.setdiff1d(sample_req_indices, pool_req_indices)
         sample_rows = rows[sample_req_indices]
         logits_indices = cu_num_tokens[sample_req_indices] - 1
         drafts = None
@@ -390,6 +423,7 @@ class ModelRunner:
             logits_indices=(None if len(logits_indices) == total
                             else torch.from_numpy(logits_indices).to(self.device)),
             drafts=drafts,
+            pool_req_indices=pool_req_indices,
         )
 
     @staticmethod

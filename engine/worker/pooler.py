@@ -1,0 +1,33 @@
+"""Pooling: a pooling request's token hidden states -> its vector (engine.pooling_params).
+
+The scheduler computes a pooling request's whole prompt in one step, so its tokens'
+hidden states are rows [start, end) of that step's output:
+
+    step tokens (query_start_loc [0, 3, 5, 9]):  a a a | b b | c c c c
+    b pools rows 3..4, c rows 5..8; a, a generating request, samples as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.pooling_params import PoolingParams
+
+
+def pool_rows(hidden_states: torch.Tensor, start: int, end: int,
+              params: PoolingParams) -> list[float]:
+    """The vector of the request whose tokens are rows [start, end) of `hidden_states`,
+    as float32 values: mean / first / last row, cut to `dimensions`, L2-normalized if
+    asked. A request's vector depends only on its own rows."""
+    rows = hidden_states[start:end].float()
+    if params.pooling_type == "mean":
+        vector = rows.mean(dim=0)
+    elif params.pooling_type == "cls":
+        vector = rows[0]
+    else:  # "last"
+        vector = rows[-1]
+    if params.dimensions is not None:
+        vector = vector[:params.dimensions]
+    if params.normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return vector.tolist()
