@@ -90,3 +90,15 @@ def model_runner_kind(model_dir: str | Path, runner: str = "auto") -> str:
         raise ValueError(f"--runner generate: {', '.join(sorted(architectures))} has no "
                          "language-model head; it serves embeddings (--runner pooling)")
     return "pooling" if encoder or runner == "pooling" else "generate"
+
+
+def embedding_size_of(model_dir: str | Path) -> tuple[int | None, bool]:
+    """(the vector size: config.json's hidden_size, whether the model declares Matryoshka
+    dimensions: `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them)."""
+    config = _read_json(Path(model_dir) / "config.json")
+    if not isinstance(config, dict):
+        return None, False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("hidden_size")
+    return (size if isinstance(size, int) else None,
+            bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions")))

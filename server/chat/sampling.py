@@ -44,6 +44,10 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_common(state: ServerState, body: SamplingFields, unsupported: tuple[str, str] | None):
     check_model(state, body.model)
+    if state.runner == "pooling":
+        raise bad_request(f"The model `{state.model_name}` is an embedding model: it serves "
+                          "/v1/embeddings (and Ollama's /api/embed), not text generation.",
+                          "model", "model_not_supported")
     if unsupported is not None:
         param, message = unsupported
         raise bad_request(message, param, "unsupported_parameter")

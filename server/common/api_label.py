@@ -21,6 +21,9 @@ GENERATION_APIS = {
     "/v1/messages": "anthropic_messages",
     "/api/chat": "ollama_chat",
     "/api/generate": "ollama_generate",
+    "/v1/embeddings": "openai_embeddings",
+    "/api/embed": "ollama_embed",
+    "/api/embeddings": "ollama_embeddings",
 }
 # Each API's request id prefix (server/serving_*.py: new_request_id(prefix)), longest first
 # where one could begin another.
@@ -31,6 +34,9 @@ REQUEST_ID_PREFIXES = {
     "msg-": "anthropic_messages",
     "ollama-chat-": "ollama_chat",
     "ollama-generate-": "ollama_generate",
+    "embd-": "openai_embeddings",
+    "ollama-embeddings-": "ollama_embeddings",
+    "ollama-embed-": "ollama_embed",
 }
 # The routes whose requests reach the engine (failures count as failed requests).
 GENERATION_PATHS = frozenset(GENERATION_APIS)

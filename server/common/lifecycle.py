@@ -33,6 +33,7 @@ from typing import Any
 
 from engine.config import byte_size, option, positive_int, positive_seconds
 from engine.frontend.async_engine import AsyncEngine, RequestStream
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from server.common.api_label import GENERATION_PATHS
 from server.common.errors import APIError
@@ -194,10 +195,12 @@ class Lifecycle:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ActiveRequest:
         """Admit the request (or raise a 503 APIError) and queue its engine requests.
 
-        `requests`: (engine request id, prompt token ids, prompt text or None) each.
+        `requests`: (engine request id, prompt token ids, prompt text or None) each;
+        `pooling_params`: they are pooling requests (embeddings).
         The caller owns the result: it must `finish()` it.
         """
         num_sequences = len(requests) * params.n
@@ -208,7 +211,7 @@ class Lifecycle:
             for req_id, token_ids, text in requests:
                 streams.append(await self.engine.add_request(
                     token_ids, params, req_id, prompt_text=text, priority=priority,
-                    cache_salt=cache_salt))
+                    cache_salt=cache_salt, pooling_params=pooling_params))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

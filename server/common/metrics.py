@@ -243,11 +243,20 @@ class ServerMetrics:
             "grammar_compile_seconds",
             "Time to compile one grammar in the engine (cache hits are not compiles).",
             TOKEN_LATENCY_BUCKETS_S)
+        # ------------------------------------------------------------ embeddings
+        self.embedding_inputs = counter(
+            "embedding_inputs_total", "Inputs embedded (each is one pooling request).")
+        self.embedding_tokens = counter(
+            "embedding_tokens_total", "Tokens of the embedded inputs.")
+        self.embedding_request_time = histogram(
+            "embedding_request_seconds", "Time from an embedding request's admission to its "
+            "vectors (all of its inputs).", TOKEN_LATENCY_BUCKETS_S)
         # ------------------------------------------------------------ per API
         self._api_requests = Counter(
             PREFIX + "api_requests_total",
-            "HTTP requests to the generation routes, by API (openai_chat, openai_completions, "
-            "openai_responses, anthropic_messages, ollama_chat, ollama_generate) and status "
+            "HTTP requests to the inference routes, by API (openai_chat, openai_completions, "
+            "openai_responses, anthropic_messages, ollama_chat, ollama_generate, "
+            "openai_embeddings, ollama_embed, ollama_embeddings) and status "
             "class (2xx, 4xx, 5xx).", ["model_name", "api", "status"], registry=r)
         for api in GENERATION_APIS.values():
             self._api_requests.labels(model_name, api, "2xx")
@@ -364,6 +373,12 @@ class ServerMetrics:
         """Count the prompts of a request the engine will constrain (None: free ones)."""
         if params is not None:
             self.structured_requests[params.kind].inc(num_prompts)
+
+    def record_embeddings(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        """Count one answered embedding request: its inputs, their tokens, its time."""
+        self.embedding_inputs.inc(num_inputs)
+        self.embedding_tokens.inc(num_tokens)
+        self.embedding_request_time.observe(seconds)
 
     def record_api_request(self, api: str, status: str) -> None:
         """Count one answered request of `api` (server/common/api_label.py) by status class."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.pooling_params import PoolingParams
 from engine.sampling_defaults import SamplingDefaults
 from engine.xray_schema import XrayLimits
 from server.common.lifecycle import Lifecycle, ServerLimits
@@ -58,6 +59,13 @@ class ServerState:
     # Chat: the parser of tool_choice "auto" (None: "auto" is refused) and of reasoning.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # What the model serves (--runner; engine/model_loader/pooling_config.py): "generate"
+    # (text) or "pooling" (embeddings), and how it pools: its vector size, and whether it
+    # declares Matryoshka dimensions (`dimensions` below its size).
+    runner: str = "generate"
+    pooling: PoolingParams = field(default_factory=lambda: PoolingParams("last"))
+    embedding_size: int | None = None
+    matryoshka: bool = False
     # The Responses API's stored responses (server/apis/responses/store.py; its routes
     # build it from `limits` if not given).
     responses: Any = None

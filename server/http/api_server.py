@@ -57,6 +57,7 @@ from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_c
 from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
 from engine.model_loader.chat_templates import content_format
+from engine.model_loader.pooling_config import embedding_size_of, model_runner_kind
 from engine.model_loader.resources import load_model_resources
 from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
@@ -334,6 +335,7 @@ class APIServer:
             self.socket.close()
             raise
         metrics.set_cache_config(self.engine_config.cache_config, engine.kv_cache_info)
+        embedding_size = embedding_size_of(self.model_dir)
         self.state = ServerState(
             engine=engine, tokenizer=resources.tokenizer,
             served_model_names=self.served_model_names, model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
@@ -348,6 +350,9 @@ class APIServer:
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
             tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),
             reasoning_parser=options.reasoning_parser,
+            runner=model_runner_kind(self.model_dir, self.engine_config.model_config.runner),
+            pooling=resources.pooling,
+            embedding_size=embedding_size[0], matryoshka=embedding_size[1],
         )
         app = build_app(self.state, options.allowed_origins)
         if self.shared_core is not None:

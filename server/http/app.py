@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from server.apis.anthropic import routes as anthropic_routes
+from server.apis.embeddings import routes as embedding_routes
 from server.apis.ollama import routes as ollama_routes
 from server.apis.openai import routes as openai_routes
 from server.apis.responses import routes as responses_routes
@@ -107,6 +108,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     responses_routes.install_routes(app, state, auth)
     anthropic_routes.install_routes(app, state, auth)
     ollama_routes.install_routes(app, state, auth, package_version())
+    embedding_routes.install_routes(app, state, auth)
     install_xray_routes(app, state)
     _install_openapi(app)
     return app

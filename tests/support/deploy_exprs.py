@@ -61,6 +61,9 @@ METRICS: dict[str, str] = {
     "pagedserve:structured_output_requests_total": "counter",
     "pagedserve:grammar_compile_seconds": "histogram",
     "pagedserve:api_requests_total": "counter",
+    "pagedserve:embedding_inputs_total": "counter",
+    "pagedserve:embedding_tokens_total": "counter",
+    "pagedserve:embedding_request_seconds": "histogram",
     "pagedserve:spec_decode_num_drafts_total": "counter",
     "pagedserve:spec_decode_num_draft_tokens_total": "counter",
     "pagedserve:spec_decode_num_accepted_tokens_total": "counter",
@@ -78,7 +81,8 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ),
     ("pagedserve:api_requests_total", "api"): frozenset(
         {"openai_chat", "openai_completions", "openai_responses", "anthropic_messages",
-         "ollama_chat", "ollama_generate"}
+         "ollama_chat", "ollama_generate", "openai_embeddings", "ollama_embed",
+         "ollama_embeddings"}
     ),
     ("pagedserve:api_requests_total", "status"): frozenset({"2xx", "4xx", "5xx"}),
 }

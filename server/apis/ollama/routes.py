@@ -38,7 +38,7 @@ async def _generation(state: ServerState, translator, empty: bool, raw_request: 
     return await serve_turn(state, translator, raw_request)
 
 
-class _AnyContentTypeRoute(APIRoute):
+class AnyContentTypeRoute(APIRoute):
     """Ollama reads a request body as JSON whatever its Content-Type (`curl -d` sends
     application/x-www-form-urlencoded, as Ollama's own docs write it); FastAPI parses JSON
     only when the type says so, so other types are rewritten to application/json."""
@@ -61,7 +61,7 @@ class _AnyContentTypeRoute(APIRoute):
 
 def install_routes(app: FastAPI, state: ServerState, auth: list, version: str) -> None:
     """The /api/* routes (`version`: /api/version's)."""
-    router = APIRouter(route_class=_AnyContentTypeRoute)
+    router = APIRouter(route_class=AnyContentTypeRoute)
     errors = error_docs(OllamaError)
     streamed = streamed_doc(errors, "With `stream: true` (the default): NDJSON, one object "
                                     "per line, the last with `done: true` (or an `error` line).",

@@ -1,0 +1,79 @@
+"""Request and response models of the embedding endpoints: OpenAI's /v1/embeddings and
+Ollama's /api/embed and /api/embeddings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from server.apis.ollama.protocol import OllamaRequest
+from server.common.protocol import Int64, OpenAIRequest, OpenAIResponse
+
+# One request's inputs at most (each is one engine request): a 400 past it.
+MAX_INPUTS_PER_REQUEST = 2048
+
+
+# ------------------------------------------------------------------------ OpenAI
+class EmbeddingRequest(OpenAIRequest):
+    model: str | None = None
+    input: str | list[str] | list[Int64] | list[list[Int64]] = Field(
+        ..., description="A text, a list of texts, token ids, or a list of token-id lists "
+        f"(at most {MAX_INPUTS_PER_REQUEST} inputs).")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector's float32 values, little-endian, base64.")
+    dimensions: Int64 | None = Field(
+        None, description="Keep the first N values (Matryoshka models only).")
+    user: str | None = None
+    truncate_prompt_tokens: Int64 | None = Field(
+        None, description="vLLM's: cut each input to its first N tokens (-1: to the "
+        "model's context) instead of a 400 when it is longer.")
+
+
+class EmbeddingData(OpenAIResponse):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(OpenAIResponse):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(OpenAIResponse):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ------------------------------------------------------------------------ Ollama
+class OllamaEmbedRequest(OllamaRequest):
+    model: str
+    input: str | list[str] = Field(..., description="A text or a list of texts.")
+    truncate: bool = Field(True, description="Cut each input to the context (else a 400).")
+    dimensions: Int64 | None = None
+    keep_alive: str | int | None = None
+    options: dict | None = None
+
+
+class OllamaEmbedResponse(OllamaRequest):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int = 0
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingsRequest(OllamaRequest):
+    """The older /api/embeddings: one prompt."""
+
+    model: str
+    prompt: str
+    keep_alive: str | int | None = None
+    options: dict | None = None
+
+
+class OllamaEmbeddingsResponse(OllamaRequest):
+    embedding: list[float]

@@ -1,0 +1,124 @@
+"""The embedding path every embedding endpoint shares: inputs -> token ids -> one pooling
+request each (engine/pooling_params.py), admitted together, vectors back in input order.
+
+    ["a cat", "two dogs"] --tokenize (special tokens: [CLS] ... [SEP])--> [[101, ...], ...]
+      --Lifecycle.start (one engine request per input, pooling_params)--> vectors
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.frontend.async_engine import POOLING_SAMPLING_PARAMS
+from engine.pooling_params import PoolingParams
+from server.apis.embeddings.protocol import MAX_INPUTS_PER_REQUEST
+from server.chat.sampling import new_request_id
+from server.common.errors import APIError, bad_request, from_exception
+from server.common.state import ServerState
+
+
+@dataclass
+class Embeddings:
+    vectors: list[list[float]]
+    num_prompt_tokens: int
+
+
+def check_serves_embeddings(state: ServerState) -> None:
+    """A 400 naming what the model serves, for a model that does not pool."""
+    if state.runner != "pooling":
+        raise bad_request(f"The model `{state.model_name}` generates text; it does not serve "
+                          "embeddings (start an embedding model, or a decoder with --runner "
+                          "pooling).", "model", "model_not_supported")
+
+
+def pooling_params_for(state: ServerState, dimensions: int | None) -> PoolingParams:
+    """The model's pooling, cut to `dimensions` where the model allows it (Matryoshka)."""
+    params = state.pooling
+    if dimensions is None or dimensions == state.embedding_size:
+        return params
+    if not state.matryoshka:
+        raise bad_request(f"The model `{state.model_name}` does not declare Matryoshka "
+                          f"dimensions: `dimensions` may only be {state.embedding_size}.",
+                          "dimensions", "invalid_value")
+    if not 1 <= dimensions <= state.embedding_size:
+        raise bad_request(f"dimensions must be 1..{state.embedding_size}, got {dimensions}.",
+                          "dimensions", "invalid_value")
+    return dataclasses.replace(params, dimensions=dimensions)
+
+
+def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
+                    param: str = "input") -> list[list[int]]:
+    """Token ids of each input (a text, texts, ids or id lists); a 400 for an empty list,
+    an empty input, too many inputs, or one longer than the context unless `truncate_to`
+    (tokens) cuts its end (a text keeps its closing special token, as sentence-transformers
+    truncates)."""
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    elif inputs and isinstance(inputs[0], int):
+        inputs = [inputs]
+    if not inputs:
+        raise bad_request("The input is an empty list.", param, "invalid_value")
+    if len(inputs) > MAX_INPUTS_PER_REQUEST:
+        raise bad_request(f"{len(inputs)} inputs in one request; at most "
+                          f"{MAX_INPUTS_PER_REQUEST} are allowed.", param, "invalid_value")
+    limit = state.max_model_len if truncate_to is None else min(truncate_to, state.max_model_len)
+    vocab_size = state.engine.vocab_size
+    token_lists = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            if not item:
+                raise bad_request(f"Input {index} is an empty string.", param, "invalid_value")
+            tokenizer_args = {"truncation": True, "max_length": limit} if truncate_to else {}
+            ids = list(state.tokenizer(item, **tokenizer_args).input_ids)
+        else:
+            ids = [int(t) for t in item]
+            if not ids:
+                raise bad_request(f"Input {index} is an empty token list.", param,
+                                  "invalid_value")
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise bad_request(f"Input {index} has a token id out of the vocabulary "
+                                  f"(0..{vocab_size - 1}).", param, "invalid_value")
+            if truncate_to:
+                ids = ids[:limit]
+        if len(ids) > state.max_model_len:
+            raise bad_request(f"Input {index} has {len(ids)} tokens; this model's maximum "
+                              f"context length is {state.max_model_len} tokens.", param,
+                              "context_length_exceeded")
+        token_lists.append(ids)
+    return token_lists
+
+
+async def embed(state: ServerState, token_lists: list[list[int]], params: PoolingParams,
+                id_prefix: str) -> Embeddings:
+    """The vectors of `token_lists`, in order: one engine request each, all admitted (or
+    a 503) at once; an unfinished one is aborted if this is cancelled."""
+    request_id = new_request_id(id_prefix)
+    start = time.monotonic()
+    active = await state.lifecycle.start(
+        [(f"{request_id}-{i}", ids, None) for i, ids in enumerate(token_lists)],
+        POOLING_SAMPLING_PARAMS, pooling_params=params)
+    try:
+        outputs = await asyncio.gather(*(_last(stream) for stream in active.streams))
+    except Exception as exc:
+        raise from_exception(exc) from exc
+    finally:
+        await active.finish()
+    if (error := active.error()) is not None:
+        raise error
+    if any(output is None or output.pooled is None for output in outputs):
+        raise APIError(500, "The engine finished an embedding request without its vector.",
+                       code="engine_error")
+    num_tokens = sum(map(len, token_lists))
+    state.metrics.record_embeddings(len(token_lists), num_tokens, time.monotonic() - start)
+    return Embeddings([output.pooled for output in outputs], num_tokens)
+
+
+async def _last(stream):
+    last = None
+    async for output in stream:
+        last = output
+    return last
