@@ -15,21 +15,13 @@ import torch
 
 from tests.support.hf_reference import load_hf_model
 from tests.support.model_fixtures import build_tiny_checkpoint
-from tests.support.server_fixtures import ServerThread, build_tokenizer_dir, start_fake_server
+from tests.support.server_fixtures import (
+    build_tokenizer_dir,
+    start_fake_server,
+    start_model_server,
+)
 
 MAX_MODEL_LEN = 64
-
-
-def start_server(model_dir, *extra: str) -> ServerThread:
-    from server.http.api_server import APIServer, ServeOptions
-    from server.http.cli import engine_config_from_args, make_arg_parser
-
-    args = make_arg_parser().parse_args(
-        ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-         "--port", "0", "--log-level", "warning", *extra])
-    options = ServeOptions.from_options(vars(args), engine_mode="thread")
-    return ServerThread(APIServer(options, engine_config_from_args(args, args.model, "tiny"),
-                                  args.model, ["tiny"])).start()
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    thread = start_server(model_dir, "--runner", "pooling")
+    thread = start_model_server(model_dir, "--dtype", "float32", "--max-model-len",
+                                str(MAX_MODEL_LEN), "--runner", "pooling")
     yield thread
     assert thread.server.state.engine.num_unfinished_requests == 0
     thread.stop()

@@ -286,6 +286,19 @@ def start_fake_server(tokenizer_dir: Path, **options) -> ServerThread:
     return ServerThread(build_fake_server(tokenizer_dir, **options)).start()
 
 
+def start_model_server(model_dir: str | Path, *args: str, name: str = "tiny") -> ServerThread:
+    """A real model's server in this process (engine in a thread), from CLI flags
+    (`--model model_dir --port 0` and `args`), serving it as `name`."""
+    from server.http.api_server import APIServer, ServeOptions
+    from server.http.cli import engine_config_from_args, make_arg_parser
+
+    parsed = make_arg_parser().parse_args(
+        ["--model", str(model_dir), "--port", "0", "--log-level", "warning", *args])
+    options = ServeOptions.from_options(vars(parsed), engine_mode="thread")
+    return ServerThread(APIServer(options, engine_config_from_args(parsed, parsed.model, name),
+                                  parsed.model, [name])).start()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a socket a test binds
     itself, or hands to a program that cannot take port 0)."""
