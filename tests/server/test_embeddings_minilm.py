@@ -80,3 +80,26 @@ def test_the_embedding_model_refuses_to_chat_and_is_counted(server):
     assert chat.status_code == 400 and "embedding model" in chat.json()["error"]["message"]
     metrics = httpx.get(server.url + "/metrics").text
     assert f'pagedserve:embedding_inputs_total{{model_name="{NAME}"}}' in metrics
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(server, reference):
+    query, documents = TEXTS[0], TEXTS[1:]
+    expected = reference[1:] @ reference[0]
+    scored = httpx.post(server.url + "/v1/score", timeout=60, json={
+        "model": NAME, "text_1": query, "text_2": documents}).json()
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], expected, atol=1e-3)
+    for path in ("/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(server.url + path, timeout=60, json={
+            "model": NAME, "query": query, "documents": documents, "top_n": 2}).json()
+        assert [r["index"] for r in ranked["results"]] == list(np.argsort(-expected)[:2])
+        best = ranked["results"][0]
+        assert best["document"]["text"] == documents[best["index"]]
+        assert best["relevance_score"] == pytest.approx(expected.max(), abs=1e-3)
+        assert ranked["usage"]["total_tokens"] > 0
+    bare = httpx.post(server.url + "/v1/rerank", timeout=60, json={
+        "model": NAME, "query": query, "documents": [{"text": d} for d in documents],
+        "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    mismatch = httpx.post(server.url + "/v1/score", timeout=60, json={
+        "model": NAME, "text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert mismatch.status_code == 400 and mismatch.json()["error"]["param"] == "text_1"

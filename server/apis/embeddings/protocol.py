@@ -77,3 +77,62 @@ class OllamaEmbeddingsRequest(OllamaRequest):
 
 class OllamaEmbeddingsResponse(OllamaRequest):
     embedding: list[float]
+
+
+# --------------------------------------------------------- scores and reranking
+class ScoreRequest(OpenAIRequest):
+    """vLLM's /score: `text_1` against each of `text_2` (one text against a list, or two
+    lists pair by pair)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int64 | None = None
+
+
+class ScoreData(OpenAIResponse):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIResponse):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(OpenAIRequest):
+    text: str
+
+
+class RerankRequest(OpenAIRequest):
+    """Jina's and Cohere's rerank (/v1/rerank, /v2/rerank)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument] = Field(..., min_length=1)
+    top_n: Int64 | None = Field(None, description="Return the best N (default: all).")
+    return_documents: bool = True
+    truncate_prompt_tokens: Int64 | None = None
+    max_tokens_per_doc: Int64 | None = None  # Cohere v2's; as truncate_prompt_tokens
+
+
+class RerankResult(OpenAIResponse):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(OpenAIResponse):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIResponse):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -1,5 +1,8 @@
 """The embedding routes: OpenAI's POST /v1/embeddings, Ollama's POST /api/embed and the
-older POST /api/embeddings, over the shared path of server/apis/embeddings/run.py.
+older POST /api/embeddings, over the shared path of server/apis/embeddings/run.py; and
+scores of text pairs from the same vectors (vLLM's /score, Jina's and Cohere's /v1/rerank
+and /v2/rerank): the cosine similarity of the two texts' embeddings, as vLLM scores with
+an embedding model.
 
     curl localhost:8000/v1/embeddings -H 'Content-Type: application/json' \\
       -d '{"model": "all-MiniLM-L6-v2", "input": ["a cat", "two dogs"]}'
@@ -8,6 +11,7 @@ older POST /api/embeddings, over the shared path of server/apis/embeddings/run.p
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
 
 import numpy as np
@@ -22,6 +26,14 @@ from server.apis.embeddings.protocol import (
     OllamaEmbeddingsResponse,
     OllamaEmbedRequest,
     OllamaEmbedResponse,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
 )
 from server.apis.embeddings.run import (
     check_serves_embeddings,
@@ -32,7 +44,7 @@ from server.apis.embeddings.run import (
 from server.apis.ollama.protocol import OllamaError
 from server.apis.ollama.routes import AnyContentTypeRoute
 from server.apis.ollama.translator import served_name
-from server.chat.sampling import check_model
+from server.chat.sampling import check_model, new_request_id
 from server.common.errors import ERROR_RESPONSES, bad_request, error_docs
 from server.common.state import ServerState
 
@@ -40,6 +52,26 @@ from server.common.state import ServerState
 def base64_vector(vector: list[float]) -> str:
     """OpenAI's base64 encoding: the float32 values, little-endian, as base64."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+def _truncation(state: ServerState, value: int | None, param: str) -> int | None:
+    """vLLM's truncate_prompt_tokens: None (a 400 past the context), N, or -1 (the context)."""
+    if value is not None and (value < -1 or value == 0):
+        raise bad_request(f"{param} must be -1 or at least 1.", param, "invalid_value")
+    return state.max_model_len if value == -1 else value
+
+
+async def _cosines(state: ServerState, queries: list[str], documents: list[str],
+                   truncate: int | None, id_prefix: str) -> tuple[list[float], int]:
+    """cos(embed(queries[i]), embed(documents[i])) for each i, every distinct text
+    embedded once, in one admission; and the tokens embedded."""
+    texts = list(dict.fromkeys([*queries, *documents]))
+    token_lists = tokenize_inputs(state, texts, truncate)
+    params = dataclasses.replace(state.pooling, normalize=True, dimensions=None)
+    result = await embed(state, token_lists, params, id_prefix)
+    vector_of = {text: np.asarray(v) for text, v in zip(texts, result.vectors, strict=True)}
+    scores = [float(vector_of[q] @ vector_of[d]) for q, d in zip(queries, documents, strict=True)]
+    return scores, result.num_prompt_tokens
 
 
 def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
@@ -50,12 +82,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         check_model(state, body.model)
         check_serves_embeddings(state)
         params = pooling_params_for(state, body.dimensions)
-        truncate = body.truncate_prompt_tokens
-        if truncate is not None and truncate < -1 or truncate == 0:
-            raise bad_request("truncate_prompt_tokens must be -1 or at least 1.",
-                              "truncate_prompt_tokens", "invalid_value")
-        token_lists = tokenize_inputs(
-            state, body.input, state.max_model_len if truncate == -1 else truncate)
+        truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
+        token_lists = tokenize_inputs(state, body.input, truncate)
         result = await embed(state, token_lists, params, "embd")
         encode = base64_vector if body.encoding_format == "base64" else (lambda v: v)
         return EmbeddingResponse(
@@ -64,6 +92,52 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
             model=state.model_name,
             usage=EmbeddingUsage(prompt_tokens=result.num_prompt_tokens,
                                  total_tokens=result.num_prompt_tokens))
+
+    async def score(body: ScoreRequest) -> ScoreResponse:
+        """vLLM's: the score of `text_1` against each of `text_2` (cosine of embeddings)."""
+        check_model(state, body.model)
+        check_serves_embeddings(state)
+        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise bad_request("text_1 must be one text, or as many texts as text_2 (got "
+                              f"{len(first)} and {len(second)}).", "text_1", "invalid_value")
+        truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
+        scores, num_tokens = await _cosines(state, first, second, truncate, "score")
+        return ScoreResponse(
+            id=new_request_id("score"), created=int(time.time()), model=state.model_name,
+            data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+            usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+
+    async def rerank(body: RerankRequest) -> RerankResponse:
+        """Jina's / Cohere's: the documents by relevance to the query, best first."""
+        check_model(state, body.model)
+        check_serves_embeddings(state)
+        if body.top_n is not None and body.top_n < 1:
+            raise bad_request("top_n must be at least 1.", "top_n", "invalid_value")
+        texts = [d if isinstance(d, str) else d.text for d in body.documents]
+        if body.max_tokens_per_doc is not None and body.truncate_prompt_tokens is None:
+            truncate = _truncation(state, body.max_tokens_per_doc, "max_tokens_per_doc")
+        else:
+            truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
+        scores, num_tokens = await _cosines(state, [body.query] * len(texts), texts, truncate,
+                                            "rerank")
+        order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
+        return RerankResponse(
+            id=new_request_id("rerank"), model=state.model_name,
+            usage=RerankUsage(total_tokens=num_tokens),
+            results=[RerankResult(index=i, relevance_score=scores[i],
+                                  document=RerankDocument(text=texts[i])
+                                  if body.return_documents else None) for i in order])
+
+    for path in ("/score", "/v1/score"):
+        app.post(path, response_model=ScoreResponse, dependencies=auth,
+                 responses=ERROR_RESPONSES)(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path, response_model=RerankResponse, dependencies=auth,
+                 response_model_exclude_none=True, responses=ERROR_RESPONSES)(rerank)
 
     router = APIRouter(route_class=AnyContentTypeRoute)
     errors = error_docs(OllamaError)

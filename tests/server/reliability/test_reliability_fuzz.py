@@ -61,7 +61,8 @@ OTHER_API_OPERATIONS = [
     "POST /v1/responses", "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}", "POST /v1/messages",
     "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate",
-    "POST /api/show", "POST /api/embed", "POST /api/embeddings"]
+    "POST /api/show", "POST /api/embed", "POST /api/embeddings", "POST /v1/score",
+    "POST /v1/rerank"]
 # Operations without inputs: nothing to fuzz (tests/server/test_ollama_api.py calls them).
 NO_INPUT_OPERATIONS = ["GET /api/tags", "GET /api/ps", "GET /api/version"]
 NUM_OTHER_EXAMPLES = 25
