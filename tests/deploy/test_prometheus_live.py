@@ -342,6 +342,8 @@ def test_dashboard_and_alerts_against_a_live_prometheus(server, prometheus):
     for model_name in (".+", MODEL):  # the dashboard's "All", and one model
         variables = {"model_name": model_name, "__rate_interval": window}
         for expr in dx.dashboard_expressions(dx.DASHBOARD_PATH, variables):
+            if "pagedserve:embedding_" in expr:
+                continue  # this chat model serves no embeddings: their quantiles are NaN
             if not finite_values(query(prometheus, expr, at)):
                 no_data.append(expr)
     assert not no_data, "dashboard expressions without data:\n" + "\n".join(no_data)
