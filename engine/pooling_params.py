@@ -9,13 +9,18 @@ instead of sampling, and the request finishes there, its blocks freed at once.
       cls   -> h0                        (BERT's [CLS] token; bge)
       last  -> h3                        (decoder embedders: Qwen3-Embedding)
     then the first `dimensions` values (Matryoshka models), then L2-normalized if asked.
+      classify -> the model's classification head on h0 (a cross-encoder reranker, BERT
+                  for sequence classification): its raw logits, one per label
+
+A cross-encoder reads a (query, document) pair as one prompt, [CLS] q [SEP] d [SEP]; its
+tokens from `token_type_start` on (the document's) are token type 1, the others 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_TYPES = ("mean", "cls", "last")
+POOLING_TYPES = ("mean", "cls", "last", "classify")
 
 
 class PoolingParamsError(ValueError):
@@ -33,6 +38,7 @@ class PoolingParams:
     pooling_type: str = "mean"  # one of POOLING_TYPES
     normalize: bool = True
     dimensions: int | None = None  # keep the first N values (before normalizing); None: all
+    token_type_start: int | None = None  # a pair's second segment starts here (token type 1)
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

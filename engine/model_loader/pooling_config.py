@@ -49,6 +49,8 @@ def read_pooling_config(model_dir: str | Path, model_type: str | None) -> Poolin
     """The checkpoint's pooling (see the module doc). A pooling mode we do not have
     (max, mean_sqrt_len) is a ValueError naming it."""
     model_dir = Path(model_dir)
+    if is_cross_encoder(model_dir):  # its head scores pairs: raw logits
+        return PoolingConfig(PoolingParams("classify", normalize=False), None, "classifier")
     sbert = _read_json(model_dir / "sentence_bert_config.json")
     max_seq_length = sbert.get("max_seq_length") if isinstance(sbert, dict) else None
     modules = _read_json(model_dir / "modules.json")
@@ -73,7 +75,9 @@ def read_pooling_config(model_dir: str | Path, model_type: str | None) -> Poolin
 
 
 # Architectures that only pool (no lm_head): they serve embeddings, never text.
-POOLING_ARCHITECTURES = frozenset({"BertModel"})
+POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+# Those that score pairs (a cross-encoder reranker): /v1/rerank and /v1/score, no vectors.
+CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
 RUNNERS = ("auto", "generate", "pooling")
 
 
@@ -102,3 +106,10 @@ def embedding_size_of(model_dir: str | Path) -> tuple[int | None, bool]:
     size = text.get("hidden_size")
     return (size if isinstance(size, int) else None,
             bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions")))
+
+
+def is_cross_encoder(model_dir: str | Path) -> bool:
+    """Whether config.json names a cross-encoder (a classification head over pairs)."""
+    config = _read_json(Path(model_dir) / "config.json")
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return bool(set(architectures or []) & CROSS_ENCODER_ARCHITECTURES)

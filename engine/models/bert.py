@@ -44,9 +44,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:  # one segment: every token is type 0
+            return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(hidden + self.token_type_embeddings(token_type_ids))
 
 
 class BertLayer(nn.Module):
@@ -106,10 +109,12 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions (and a pair's token_type_ids): [T] long -> [T, hidden]."""
         starts = get_forward_context().attn_metadata.query_start_loc_np.tolist()
         bounds = list(zip(starts[:-1], starts[1:], strict=True))
-        hidden = self.embeddings(input_ids, positions)
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.layers:
             hidden = layer(hidden, bounds)
         return hidden
@@ -123,7 +128,8 @@ class BertModel(nn.Module):
         hidden = self.config.hidden_size
         for name, tensor in weights:
             name = name.removeprefix("bert.")
-            if name.startswith("pooler.") or name.endswith(("position_ids", "token_type_ids")):
+            if name.endswith(("position_ids", "token_type_ids")) or (
+                    name.startswith("pooler.") and "pooler.dense.weight" not in params):
                 continue
             target, rows = self._our_name(name, hidden)
             if target not in params:
@@ -157,3 +163,18 @@ class BertModel(nn.Module):
             which = _QKV.index(module.removeprefix("attention.self."))
             return f"layers.{index}.qkv.{kind}", slice(which * hidden, (which + 1) * hidden)
         return f"layers.{index}.{_LAYER_NAMES.get(module, module)}.{kind}", None
+
+
+class BertForSequenceClassification(BertModel):
+    """A cross-encoder reranker: the encoder, then BERT's pooler (dense + tanh on the
+    [CLS] token) and a classifier; `classify` gives the logits of given [CLS] rows."""
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.pooler = nn.Module()
+        self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] hidden states of [CLS] tokens -> [N, num_labels] float32 logits."""
+        return self.classifier(torch.tanh(self.pooler.dense(cls_hidden))).float()

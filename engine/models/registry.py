@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from engine.models.bert import BertModel
+from engine.models.bert import BertForSequenceClassification, BertModel
 from engine.models.gemma3 import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -19,6 +19,7 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "BertForSequenceClassification": BertForSequenceClassification,
     "BertModel": BertModel,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

@@ -80,6 +80,9 @@ class ModelInputs:
     # Pooling requests whose whole prompt is this step's (indices into req_ids): they
     # pool their tokens' hidden states and are not among the sampling ones.
     pool_req_indices: list[int] | None = None
+    # A cross-encoder's pairs (PoolingParams.token_type_start): each token's type, 0 or 1;
+    # None when no request of the step has a second segment.
+    token_type_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -209,11 +212,17 @@ class ModelRunner:
         if not inputs.pool_req_indices:
             return {}
         starts = inputs.attn_metadata.query_start_loc_np
-        return {
-            inputs.req_ids[i]: pool_rows(hidden_states, int(starts[i]), int(starts[i + 1]),
-                                         self._pooling_params[inputs.req_ids[i]])
-            for i in inputs.pool_req_indices
-        }
+        pooled = {}
+        for i in inputs.pool_req_indices:
+            req_id, start = inputs.req_ids[i], int(starts[i])
+            params = self._pooling_params[req_id]
+            if params.pooling_type == "classify":  # the model's head on the first token
+                if not hasattr(self.model, "classify"):
+                    raise ValueError("this model has no classification head")
+                pooled[req_id] = self.model.classify(hidden_states[start:start + 1])[0].tolist()
+            else:
+                pooled[req_id] = pool_rows(hidden_states, start, int(starts[i + 1]), params)
+        return pooled
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""
@@ -223,6 +232,9 @@ class ModelRunner:
         group_metadata = ([inputs.attn_metadata, *inputs.extra_group_metadata]
                           if inputs.extra_group_metadata else None)
         with set_forward_context(inputs.attn_metadata, self.backend, group_metadata):
+            if inputs.token_type_ids is not None:
+                return self.model(inputs.input_ids, inputs.positions,
+                                  token_type_ids=inputs.token_type_ids)
             return self.model(inputs.input_ids, inputs.positions)
 
     def _shadow_forward(self, inputs: ModelInputs, spec_tokens: dict[str, list[int]]) -> None:
@@ -396,6 +408,7 @@ class ModelRunner:
             pool_req_indices = [i for i in sample_req_indices.tolist() if req_ids[i] in pooling]
             if pool_req_indices:
                 sample_req_indices = np.setdiff1d(sample_req_indices, pool_req_indices)
+        token_type_ids = self._token_type_ids(req_ids, req_indices, positions)
         sample_rows = rows[sample_req_indices]
         logits_indices = cu_num_tokens[sample_req_indices] - 1
         drafts = None
@@ -424,7 +437,28 @@ class ModelRunner:
                             else torch.from_numpy(logits_indices).to(self.device)),
             drafts=drafts,
             pool_req_indices=pool_req_indices,
+            token_type_ids=token_type_ids,
         )
+
+    def _token_type_ids(self, req_ids: list[str], req_indices: np.ndarray,
+                        positions: np.ndarray) -> torch.Tensor | None:
+        """Each token's type for a step with cross-encoder pairs, else None.
+
+        Worked example: requests [a, b], b a pair whose second segment starts at 3,
+        req_indices [0, 0, 1, 1, 1, 1, 1], positions [0, 1, 0, 1, 2, 3, 4]
+          -> starts per request [inf, 3] -> types [0, 0, 0, 0, 0, 1, 1]
+        """
+        if not self._pooling_params:
+            return None
+        starts = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
+        for index, req_id in enumerate(req_ids):
+            params = self._pooling_params.get(req_id)
+            if params is not None and params.token_type_start is not None:
+                starts[index] = params.token_type_start
+        if not (starts < np.iinfo(np.int64).max).any():
+            return None
+        types = (positions >= starts[req_indices]).astype(np.int64)
+        return torch.from_numpy(types).to(self.device)
 
     @staticmethod
     def _draft_rows(sample_req_ids: list[str], sample_rows: np.ndarray,

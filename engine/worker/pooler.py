@@ -19,6 +19,8 @@ def pool_rows(hidden_states: torch.Tensor, start: int, end: int,
     """The vector of the request whose tokens are rows [start, end) of `hidden_states`,
     as float32 values: mean / first / last row, cut to `dimensions`, L2-normalized if
     asked. A request's vector depends only on its own rows."""
+    if params.pooling_type == "classify":
+        raise ValueError("classify pooling needs the model's head: ModelRunner._pool")
     rows = hidden_states[start:end].float()
     if params.pooling_type == "mean":
         vector = rows.mean(dim=0)

@@ -195,12 +195,13 @@ class Lifecycle:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> ActiveRequest:
         """Admit the request (or raise a 503 APIError) and queue its engine requests.
 
         `requests`: (engine request id, prompt token ids, prompt text or None) each;
-        `pooling_params`: they are pooling requests (embeddings).
+        `pooling_params`: they are pooling requests (embeddings): one PoolingParams for
+        all, or one each.
         The caller owns the result: it must `finish()` it.
         """
         num_sequences = len(requests) * params.n
@@ -208,10 +209,12 @@ class Lifecycle:
         self._num_pending_sequences += num_sequences
         streams: list[RequestStream] = []
         try:
-            for req_id, token_ids, text in requests:
+            for index, (req_id, token_ids, text) in enumerate(requests):
+                pooling = (pooling_params[index] if isinstance(pooling_params, Sequence)
+                           else pooling_params)
                 streams.append(await self.engine.add_request(
                     token_ids, params, req_id, prompt_text=text, priority=priority,
-                    cache_salt=cache_salt, pooling_params=pooling_params))
+                    cache_salt=cache_salt, pooling_params=pooling))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

@@ -66,6 +66,8 @@ class ServerState:
     pooling: PoolingParams = field(default_factory=lambda: PoolingParams("last"))
     embedding_size: int | None = None
     matryoshka: bool = False
+    cross_encoder: bool = False  # a reranker scoring (query, document) pairs
+
     # The Responses API's stored responses (server/apis/responses/store.py; its routes
     # build it from `limits` if not given).
     responses: Any = None

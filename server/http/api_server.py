@@ -57,7 +57,11 @@ from engine.frontend.core_client import DEFAULT_STARTUP_TIMEOUT_S, start_async_c
 from engine.frontend.shared_core_client import AsyncSharedCoreClient
 from engine.ipc import SharedCoreLink
 from engine.model_loader.chat_templates import content_format
-from engine.model_loader.pooling_config import embedding_size_of, model_runner_kind
+from engine.model_loader.pooling_config import (
+    embedding_size_of,
+    is_cross_encoder,
+    model_runner_kind,
+)
 from engine.model_loader.resources import load_model_resources
 from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
@@ -353,6 +357,7 @@ class APIServer:
             runner=model_runner_kind(self.model_dir, self.engine_config.model_config.runner),
             pooling=resources.pooling,
             embedding_size=embedding_size[0], matryoshka=embedding_size[1],
+            cross_encoder=is_cross_encoder(self.model_dir),
         )
         app = build_app(self.state, options.allowed_origins)
         if self.shared_core is not None:

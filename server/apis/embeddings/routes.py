@@ -1,8 +1,8 @@
 """The embedding routes: OpenAI's POST /v1/embeddings, Ollama's POST /api/embed and the
 older POST /api/embeddings, over the shared path of server/apis/embeddings/run.py; and
-scores of text pairs from the same vectors (vLLM's /score, Jina's and Cohere's /v1/rerank
-and /v2/rerank): the cosine similarity of the two texts' embeddings, as vLLM scores with
-an embedding model.
+scores of text pairs (vLLM's /score, Jina's and Cohere's /v1/rerank and /v2/rerank): a
+cross-encoder's score of the pair, or with an embedding model the cosine similarity of
+the two texts' embeddings, as vLLM scores.
 
     curl localhost:8000/v1/embeddings -H 'Content-Type: application/json' \\
       -d '{"model": "all-MiniLM-L6-v2", "input": ["a cat", "two dogs"]}'
@@ -61,6 +61,48 @@ def _truncation(state: ServerState, value: int | None, param: str) -> int | None
     return state.max_model_len if value == -1 else value
 
 
+async def _scores(state: ServerState, queries: list[str], documents: list[str],
+                  truncate: int | None, id_prefix: str) -> tuple[list[float], int]:
+    """The score of each (queries[i], documents[i]) and the tokens computed: a
+    cross-encoder's on the pair, else the cosine of the two embeddings."""
+    if state.cross_encoder:
+        return await _pair_scores(state, queries, documents, truncate, id_prefix)
+    return await _cosines(state, queries, documents, truncate, id_prefix)
+
+
+async def _pair_scores(state: ServerState, queries: list[str], documents: list[str],
+                       truncate: int | None, id_prefix: str) -> tuple[list[float], int]:
+    """A cross-encoder's score of each pair, read together as [CLS] q [SEP] d [SEP]
+    (the document's tokens are type 1): the sigmoid of a one-label head's logit (a
+    several-label head: the softmax probability of its last label), as
+    sentence-transformers' CrossEncoder scores. Truncation cuts the document."""
+    token_lists, params = [], []
+    limit = min(truncate or state.max_model_len, state.max_model_len)
+    for index, (query, document) in enumerate(zip(queries, documents, strict=True)):
+        if not query or not document:
+            raise bad_request(f"Pair {index} has an empty text.", "documents", "invalid_value")
+        encoded = state.tokenizer(query, document, truncation="only_second" if truncate
+                                  else False, max_length=limit if truncate else None)
+        ids, types = list(encoded.input_ids), list(encoded.token_type_ids)
+        if len(ids) > state.max_model_len:
+            raise bad_request(f"Pair {index} has {len(ids)} tokens; this model's maximum "
+                              f"context length is {state.max_model_len} tokens.", "documents",
+                              "context_length_exceeded")
+        token_lists.append(ids)
+        params.append(dataclasses.replace(
+            state.pooling, token_type_start=types.index(1) if 1 in types else None))
+    result = await embed(state, token_lists, params, id_prefix)
+    scores = []
+    for logits in result.vectors:
+        values = np.asarray(logits, dtype=np.float64)
+        if len(values) == 1:
+            scores.append(float(1 / (1 + np.exp(-values[0]))))
+        else:
+            exp = np.exp(values - values.max())
+            scores.append(float(exp[-1] / exp.sum()))
+    return scores, result.num_prompt_tokens
+
+
 async def _cosines(state: ServerState, queries: list[str], documents: list[str],
                    truncate: int | None, id_prefix: str) -> tuple[list[float], int]:
     """cos(embed(queries[i]), embed(documents[i])) for each i, every distinct text
@@ -96,7 +138,7 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     async def score(body: ScoreRequest) -> ScoreResponse:
         """vLLM's: the score of `text_1` against each of `text_2` (cosine of embeddings)."""
         check_model(state, body.model)
-        check_serves_embeddings(state)
+        check_serves_embeddings(state, scores=True)
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if len(first) == 1:
@@ -105,7 +147,7 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
             raise bad_request("text_1 must be one text, or as many texts as text_2 (got "
                               f"{len(first)} and {len(second)}).", "text_1", "invalid_value")
         truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
-        scores, num_tokens = await _cosines(state, first, second, truncate, "score")
+        scores, num_tokens = await _scores(state, first, second, truncate, "score")
         return ScoreResponse(
             id=new_request_id("score"), created=int(time.time()), model=state.model_name,
             data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
@@ -114,7 +156,7 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     async def rerank(body: RerankRequest) -> RerankResponse:
         """Jina's / Cohere's: the documents by relevance to the query, best first."""
         check_model(state, body.model)
-        check_serves_embeddings(state)
+        check_serves_embeddings(state, scores=True)
         if body.top_n is not None and body.top_n < 1:
             raise bad_request("top_n must be at least 1.", "top_n", "invalid_value")
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
@@ -122,8 +164,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
             truncate = _truncation(state, body.max_tokens_per_doc, "max_tokens_per_doc")
         else:
             truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
-        scores, num_tokens = await _cosines(state, [body.query] * len(texts), texts, truncate,
-                                            "rerank")
+        scores, num_tokens = await _scores(state, [body.query] * len(texts), texts, truncate,
+                                           "rerank")
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
         return RerankResponse(
             id=new_request_id("rerank"), model=state.model_name,

@@ -27,8 +27,13 @@ class Embeddings:
     num_prompt_tokens: int
 
 
-def check_serves_embeddings(state: ServerState) -> None:
-    """A 400 naming what the model serves, for a model that does not pool."""
+def check_serves_embeddings(state: ServerState, scores: bool = False) -> None:
+    """A 400 naming what the model serves, for a model that does not pool (and, unless
+    `scores`, for a cross-encoder, which scores pairs and has no vectors)."""
+    if state.cross_encoder and not scores:
+        raise bad_request(f"The model `{state.model_name}` is a cross-encoder: it scores "
+                          "pairs (/v1/rerank, /v1/score) and serves no embeddings.", "model",
+                          "model_not_supported")
     if state.runner != "pooling":
         raise bad_request(f"The model `{state.model_name}` generates text; it does not serve "
                           "embeddings (start an embedding model, or a decoder with --runner "
@@ -92,8 +97,8 @@ def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int
     return token_lists
 
 
-async def embed(state: ServerState, token_lists: list[list[int]], params: PoolingParams,
-                id_prefix: str) -> Embeddings:
+async def embed(state: ServerState, token_lists: list[list[int]],
+                params: PoolingParams | list[PoolingParams], id_prefix: str) -> Embeddings:
     """The vectors of `token_lists`, in order: one engine request each, all admitted (or
     a 503) at once; an unfinished one is aborted if this is cancelled."""
     request_id = new_request_id(id_prefix)
