@@ -61,6 +61,8 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     # Several KV groups (sliding-window models): blocks held in each group, nulls of a
     # sliding window not counted; absent for one group.
     num_blocks_by_group: list[int] | None = None
+    # A pooling request (embeddings, scores): prefill only, it pools instead of sampling.
+    pooling: bool = False
     # The API that sent it ("openai_chat", "anthropic_messages", ...: server/common/api_label.py),
     # filled by the frontend from the request id; absent for ids no API route made.
     api: str | None = None

@@ -24,6 +24,11 @@ GENERATION_APIS = {
     "/v1/embeddings": "openai_embeddings",
     "/api/embed": "ollama_embed",
     "/api/embeddings": "ollama_embeddings",
+    "/score": "vllm_score",
+    "/v1/score": "vllm_score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
 }
 # Each API's request id prefix (server/serving_*.py: new_request_id(prefix)), longest first
 # where one could begin another.
@@ -37,6 +42,8 @@ REQUEST_ID_PREFIXES = {
     "embd-": "openai_embeddings",
     "ollama-embeddings-": "ollama_embeddings",
     "ollama-embed-": "ollama_embed",
+    "score-": "vllm_score",
+    "rerank-": "rerank",
 }
 # The routes whose requests reach the engine (failures count as failed requests).
 GENERATION_PATHS = frozenset(GENERATION_APIS)

@@ -256,7 +256,7 @@ class ServerMetrics:
             PREFIX + "api_requests_total",
             "HTTP requests to the inference routes, by API (openai_chat, openai_completions, "
             "openai_responses, anthropic_messages, ollama_chat, ollama_generate, "
-            "openai_embeddings, ollama_embed, ollama_embeddings) and status "
+            "openai_embeddings, ollama_embed, ollama_embeddings, vllm_score, rerank) and status "
             "class (2xx, 4xx, 5xx).", ["model_name", "api", "status"], registry=r)
         for api in GENERATION_APIS.values():
             self._api_requests.labels(model_name, api, "2xx")

@@ -11,6 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.pooling_params import PoolingParams, PoolingParamsError
 from engine.request import EngineCoreRequest
+from engine.xray_schema import XrayLimits
 from tests.support.hf_reference import load_hf_model
 from tests.support.model_fixtures import build_tiny_checkpoint
 
@@ -105,3 +106,15 @@ def test_a_pooling_prompt_may_fill_the_context_but_not_pass_it(llm):
     assert len(llm.embed([full], use_tqdm=False)[0].pooled) > 0
     with pytest.raises(ValueError, match="maximum context length"):
         llm.embed([full + [5]], use_tqdm=False)
+
+
+def test_the_xray_marks_pooling_requests(llm):
+    core = llm.engine_core
+    core.add_request(EngineCoreRequest("pool", PROMPTS[0], SamplingParams(max_tokens=1),
+                                       pooling_params=PoolingParams()))
+    core.add_request(EngineCoreRequest("gen", PROMPTS[1], SamplingParams(max_tokens=2)))
+    snapshot = core.xray_snapshot(XrayLimits())
+    listed = {r.req_id: r.pooling for r in [*snapshot.running, *snapshot.waiting]}
+    assert listed == {"pool": True, "gen": False}
+    while core.has_unfinished_requests():
+        core.step()

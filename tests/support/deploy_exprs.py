@@ -82,7 +82,7 @@ LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("pagedserve:api_requests_total", "api"): frozenset(
         {"openai_chat", "openai_completions", "openai_responses", "anthropic_messages",
          "ollama_chat", "ollama_generate", "openai_embeddings", "ollama_embed",
-         "ollama_embeddings"}
+         "ollama_embeddings", "vllm_score", "rerank"}
     ),
     ("pagedserve:api_requests_total", "status"): frozenset({"2xx", "4xx", "5xx"}),
 }
