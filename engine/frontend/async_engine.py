@@ -131,6 +131,14 @@ class RequestStream:
             self._done = True
         return output
 
+    async def final_output(self) -> RequestOutput | None:
+        """Iterate to the end (a pooling request has one output); the last output, or
+        None if it ended without one. Raises as iterating does."""
+        last = None
+        async for output in self:
+            last = output
+        return last
+
     async def aclose(self) -> None:
         self._close()
 
@@ -255,19 +263,16 @@ class AsyncEngine:
         req_id: str,
         *,
         priority: int = 0,
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
         """A pooling request (embeddings): its prompt computed in one step, its finished
         output's `pooled` the vector. Errors as `generate`'s; cancelling the await aborts
         it."""
         stream = await self.add_request(prompt, POOLING_SAMPLING_PARAMS, req_id,
                                         priority=priority, pooling_params=pooling_params)
-        last = None
         try:
-            async for output in stream:
-                last = output
+            return await stream.final_output()
         finally:
             await stream.aclose()
-        return last
 
     async def add_request(
         self,

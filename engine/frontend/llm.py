@@ -93,9 +93,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -130,9 +128,7 @@ class LLM:
         pooling, `self.resources.pooling`)."""
         from engine.frontend.async_engine import POOLING_SAMPLING_PARAMS
 
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         pooling_params = pooling_params or self.resources.pooling
         return self._run(prompts, [POOLING_SAMPLING_PARAMS] * len(prompts), use_tqdm,
                          pooling_params)
@@ -185,6 +181,13 @@ class LLM:
             state.metrics.finished_time = time.time()
             results.append(OutputProcessor.make_output(state))
         return results
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string or token ids) or several -> a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _signature() -> inspect.Signature:

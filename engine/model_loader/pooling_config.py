@@ -8,7 +8,8 @@
 -> PoolingConfig(PoolingParams("mean", normalize=True), max_seq_length=256).
 
 A checkpoint without modules.json pools as vLLM does by default: an encoder (BERT and
-its kind) its [CLS] token, a decoder its last token; both normalized. Loading needs no
+its kind) its [CLS] token, a decoder its last token; both normalized. A cross-encoder
+(a classification head) gives its raw logits. Loading needs no
 torch (the HTTP frontend reads it too).
 """
 
@@ -21,8 +22,10 @@ from typing import Any
 
 from engine.pooling_params import PoolingParams
 
-# config.json model_type values of the bidirectional encoders we serve.
-ENCODER_MODEL_TYPES = frozenset({"bert"})
+# Architectures that only pool (no lm_head): they serve embeddings, never text.
+POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+# Those that score pairs (a cross-encoder reranker): /v1/rerank and /v1/score, no vectors.
+CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
 
 # 1_Pooling/config.json's flags -> our pooling type (the first one set wins).
 _MODES = (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
@@ -35,7 +38,6 @@ class PoolingConfig:
     # sentence_bert_config.json's max_seq_length: where sentence-transformers truncates
     # (the server's context for the model, unless --max-model-len says otherwise).
     max_seq_length: int | None = None
-    source: str = "default"  # "modules.json" when read from the checkpoint
 
 
 def _read_json(path: Path) -> Any:
@@ -45,16 +47,23 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def read_pooling_config(model_dir: str | Path, model_type: str | None) -> PoolingConfig:
+def _architectures(model_dir: str | Path) -> set[str]:
+    """config.json's `architectures` (empty without a readable one)."""
+    config = _read_json(Path(model_dir) / "config.json")
+    return set(config.get("architectures") or []) if isinstance(config, dict) else set()
+
+
+def read_pooling_config(model_dir: str | Path) -> PoolingConfig:
     """The checkpoint's pooling (see the module doc). A pooling mode we do not have
     (max, mean_sqrt_len) is a ValueError naming it."""
     model_dir = Path(model_dir)
-    if is_cross_encoder(model_dir):  # its head scores pairs: raw logits
-        return PoolingConfig(PoolingParams("classify", normalize=False), None, "classifier")
+    architectures = _architectures(model_dir)
+    if architectures & CROSS_ENCODER_ARCHITECTURES:  # its head scores pairs: raw logits
+        return PoolingConfig(PoolingParams("classify", normalize=False))
     sbert = _read_json(model_dir / "sentence_bert_config.json")
     max_seq_length = sbert.get("max_seq_length") if isinstance(sbert, dict) else None
     modules = _read_json(model_dir / "modules.json")
-    default_type = "cls" if model_type in ENCODER_MODEL_TYPES else "last"
+    default_type = "cls" if architectures & POOLING_ARCHITECTURES else "last"
     if not isinstance(modules, list):
         return PoolingConfig(PoolingParams(default_type, normalize=True), max_seq_length)
     types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
@@ -70,15 +79,8 @@ def read_pooling_config(model_dir: str | Path, model_type: str | None) -> Poolin
         if chosen:
             pooling_type = chosen[0]
     return PoolingConfig(PoolingParams(pooling_type, normalize="Normalize" in types),
-                         max_seq_length if isinstance(max_seq_length, int) else None,
-                         "modules.json")
+                         max_seq_length if isinstance(max_seq_length, int) else None)
 
-
-# Architectures that only pool (no lm_head): they serve embeddings, never text.
-POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
-# Those that score pairs (a cross-encoder reranker): /v1/rerank and /v1/score, no vectors.
-CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
-RUNNERS = ("auto", "generate", "pooling")
 
 
 def model_runner_kind(model_dir: str | Path, runner: str = "auto") -> str:
@@ -87,8 +89,7 @@ def model_runner_kind(model_dir: str | Path, runner: str = "auto") -> str:
     BertModel pools; a decoder generates); `pooling` makes a decoder an embedder (its
     last token's hidden state, Qwen3-Embedding style). ValueError for an encoder asked
     to generate."""
-    config = _read_json(Path(model_dir) / "config.json") or {}
-    architectures = set(config.get("architectures") or []) if isinstance(config, dict) else set()
+    architectures = _architectures(model_dir)
     encoder = bool(architectures & POOLING_ARCHITECTURES)
     if runner == "generate" and encoder:
         raise ValueError(f"--runner generate: {', '.join(sorted(architectures))} has no "
@@ -110,6 +111,4 @@ def embedding_size_of(model_dir: str | Path) -> tuple[int | None, bool]:
 
 def is_cross_encoder(model_dir: str | Path) -> bool:
     """Whether config.json names a cross-encoder (a classification head over pairs)."""
-    config = _read_json(Path(model_dir) / "config.json")
-    architectures = config.get("architectures") if isinstance(config, dict) else None
-    return bool(set(architectures or []) & CROSS_ENCODER_ARCHITECTURES)
+    return bool(_architectures(model_dir) & CROSS_ENCODER_ARCHITECTURES)

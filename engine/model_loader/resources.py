@@ -139,4 +139,4 @@ def load_model_resources(model: str | os.PathLike,
         if marker in vocab and vocab[marker] not in ids:
             ids.append(vocab[marker])
     return ModelResources(tokenizer, ids[0] if ids else None, ids[1:], generation_config,
-                          choice.source, read_pooling_config(model_dir, model_type_of(model_dir)))
+                          choice.source, read_pooling_config(model_dir))

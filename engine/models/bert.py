@@ -31,7 +31,7 @@ from torch import nn
 from engine.attention.forward_context import get_forward_context
 from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
 
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 

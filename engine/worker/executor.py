@@ -113,7 +113,7 @@ class Worker:
         if config.model_config.max_model_len is None and getattr(model, "is_pooling_model", False):
             from engine.model_loader.pooling_config import read_pooling_config
 
-            seq_len = read_pooling_config(model_dir, text_config.model_type).max_seq_length
+            seq_len = read_pooling_config(model_dir).max_seq_length
             if seq_len is not None:  # where sentence-transformers truncates
                 self.max_model_len = min(self.max_model_len, seq_len)
         self.vocab_size = text_config.vocab_size

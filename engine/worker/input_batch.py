@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -37,7 +36,6 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # KV-cache groups 1.. (sliding-window models): their block ids; `block_ids` group 0's.
     extra_group_block_ids: list[list[int]] = field(default_factory=list)
-    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
     @property
     def num_tokens(self) -> int:

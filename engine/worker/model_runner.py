@@ -212,17 +212,11 @@ class ModelRunner:
         if not inputs.pool_req_indices:
             return {}
         starts = inputs.attn_metadata.query_start_loc_np
-        pooled = {}
-        for i in inputs.pool_req_indices:
-            req_id, start = inputs.req_ids[i], int(starts[i])
-            params = self._pooling_params[req_id]
-            if params.pooling_type == "classify":  # the model's head on the first token
-                if not hasattr(self.model, "classify"):
-                    raise ValueError("this model has no classification head")
-                pooled[req_id] = self.model.classify(hidden_states[start:start + 1])[0].tolist()
-            else:
-                pooled[req_id] = pool_rows(hidden_states, start, int(starts[i + 1]), params)
-        return pooled
+        return {
+            inputs.req_ids[i]: pool_rows(self.model, hidden_states, int(starts[i]),
+                                         int(starts[i + 1]), self._pooling_params[inputs.req_ids[i]])
+            for i in inputs.pool_req_indices
+        }
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""

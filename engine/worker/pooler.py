@@ -10,17 +10,21 @@ hidden states are rows [start, end) of that step's output:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from engine.pooling_params import PoolingParams
 
 
-def pool_rows(hidden_states: torch.Tensor, start: int, end: int,
+def pool_rows(model: nn.Module, hidden_states: torch.Tensor, start: int, end: int,
               params: PoolingParams) -> list[float]:
     """The vector of the request whose tokens are rows [start, end) of `hidden_states`,
     as float32 values: mean / first / last row, cut to `dimensions`, L2-normalized if
-    asked. A request's vector depends only on its own rows."""
+    asked; for `classify`, the logits of `model`'s classification head on the first row.
+    A request's vector depends only on its own rows."""
     if params.pooling_type == "classify":
-        raise ValueError("classify pooling needs the model's head: ModelRunner._pool")
+        if not hasattr(model, "classify"):
+            raise ValueError("this model has no classification head")
+        return model.classify(hidden_states[start:start + 1])[0].tolist()
     rows = hidden_states[start:end].float()
     if params.pooling_type == "mean":
         vector = rows.mean(dim=0)

@@ -107,7 +107,7 @@ async def embed(state: ServerState, token_lists: list[list[int]],
         [(f"{request_id}-{i}", ids, None) for i, ids in enumerate(token_lists)],
         POOLING_SAMPLING_PARAMS, pooling_params=params)
     try:
-        outputs = await asyncio.gather(*(_last(stream) for stream in active.streams))
+        outputs = await asyncio.gather(*(stream.final_output() for stream in active.streams))
     except Exception as exc:
         raise from_exception(exc) from exc
     finally:
@@ -121,9 +121,3 @@ async def embed(state: ServerState, token_lists: list[list[int]],
     state.metrics.record_embeddings(len(token_lists), num_tokens, time.monotonic() - start)
     return Embeddings([output.pooled for output in outputs], num_tokens)
 
-
-async def _last(stream):
-    last = None
-    async for output in stream:
-        last = output
-    return last
