@@ -98,3 +98,5 @@ def test_a_cross_encoder_serves_no_embeddings(server):
     assert "cross-encoder" in response.json()["error"]["message"]
     empty = post(server, "/v1/rerank", query=QUERY, documents=[""])
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+    too_many = post(server, "/v1/rerank", query=QUERY, documents=["x"] * 2049)
+    assert too_many.status_code == 400 and "at most 2048" in too_many.json()["error"]["message"]

@@ -36,6 +36,7 @@ from server.apis.embeddings.protocol import (
     ScoreResponse,
 )
 from server.apis.embeddings.run import (
+    check_num_inputs,
     check_serves_embeddings,
     embed,
     pooling_params_for,
@@ -76,6 +77,7 @@ async def _pair_scores(state: ServerState, queries: list[str], documents: list[s
     (the document's tokens are type 1): the sigmoid of a one-label head's logit (a
     several-label head: the softmax probability of its last label), as
     sentence-transformers' CrossEncoder scores. Truncation cuts the document."""
+    check_num_inputs(len(documents), "documents")
     token_lists, params = [], []
     limit = min(truncate or state.max_model_len, state.max_model_len)
     for index, (query, document) in enumerate(zip(queries, documents, strict=True)):

@@ -55,6 +55,13 @@ def pooling_params_for(state: ServerState, dimensions: int | None) -> PoolingPar
     return dataclasses.replace(params, dimensions=dimensions)
 
 
+def check_num_inputs(num_inputs: int, param: str) -> None:
+    """A 400 for more inputs (each one engine request) than one request may hold."""
+    if num_inputs > MAX_INPUTS_PER_REQUEST:
+        raise bad_request(f"{num_inputs} inputs in one request; at most "
+                          f"{MAX_INPUTS_PER_REQUEST} are allowed.", param, "invalid_value")
+
+
 def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
                     param: str = "input") -> list[list[int]]:
     """Token ids of each input (a text, texts, ids or id lists); a 400 for an empty list,
@@ -67,9 +74,7 @@ def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int
         inputs = [inputs]
     if not inputs:
         raise bad_request("The input is an empty list.", param, "invalid_value")
-    if len(inputs) > MAX_INPUTS_PER_REQUEST:
-        raise bad_request(f"{len(inputs)} inputs in one request; at most "
-                          f"{MAX_INPUTS_PER_REQUEST} are allowed.", param, "invalid_value")
+    check_num_inputs(len(inputs), param)
     limit = state.max_model_len if truncate_to is None else min(truncate_to, state.max_model_len)
     vocab_size = state.engine.vocab_size
     token_lists = []
