@@ -6,8 +6,8 @@
 
 Wire format (vLLM's ZmqEventPublisher): every engine step with events is one message
 on a PUB socket at `endpoint`, three frames: the topic, the sequence number (8 bytes,
-big-endian, from 0), the msgpack of a KVEventBatch. A subscriber that missed messages
-asks the ROUTER socket at `replay_endpoint` with the first sequence number it wants (8
+big-endian, from 0), the msgpack of a KVEventBatch (stamped with data-parallel rank 0:
+one engine per server). A subscriber that missed messages asks the ROUTER socket at `replay_endpoint` with the first sequence number it wants (8
 bytes) and gets, per buffered message still held (the last `buffer_steps`), the frames
 [sequence number, payload], then [-1 as 8 signed bytes, empty] as the end marker.
 
@@ -65,7 +65,8 @@ class ZmqEventPublisher:
         if not events:
             return
         try:
-            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events))
+            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events,
+                                                 data_parallel_rank=0))
         except queue.Full:
             self.num_dropped += 1
             if self.num_dropped == 1 or self.num_dropped % 1000 == 0:

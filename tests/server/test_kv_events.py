@@ -1,5 +1,6 @@
 """KV-cache events over ZeroMQ, read by a subscriber written from vLLM's documented
-format (pyzmq + msgspec, its examples/online_serving/kv_events_subscriber.py): a real
+format (pyzmq + msgspec, its examples/online_serving/kv_events_subscriber.py, the
+structs of vLLM 0.28's distributed/kv_events.py): a real
 server with --kv-events-config publishes AllBlocksCleared at start, then BlockStored
 with a prompt's full blocks and tokens; the replay socket resends from any sequence
 number and ends with the -1 marker."""
@@ -21,13 +22,15 @@ from tests.support.server_fixtures import ServerThread, free_port
 BLOCK_SIZE = 16
 
 
-# The subscriber's own types, as vLLM documents them (not pagedserve's classes).
+# The subscriber's own types, as vLLM (>= 0.28, distributed/kv_events.py) declares them
+# (not pagedserve's classes): the batch an array, each event a map tagged "type".
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
+    data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -38,11 +41,19 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -103,7 +114,9 @@ def test_prompts_blocks_are_published_and_replayed(server):
         tokens = [t for e in stored for t in e.token_ids]
         assert tokens[:2 * BLOCK_SIZE] == prompt[:2 * BLOCK_SIZE]
         hashes = [h for e in stored for h in e.block_hashes]
-        assert len(set(hashes)) == len(hashes) and all(len(h) == 32 for h in hashes)
+        # vLLM's default wire hash: the digest's last 8 bytes as an unsigned integer.
+        assert len(set(hashes)) == len(hashes) and all(0 <= h < 2**64 for h in hashes)
+        assert first.medium == "GPU" and first.group_idx == 0 and first.lora_name is None
 
         # Replay from the start: message 0 is the start-up AllBlocksCleared.
         replay = context.socket(zmq.DEALER)
@@ -118,6 +131,7 @@ def test_prompts_blocks_are_published_and_replayed(server):
                 assert int.from_bytes(seq_bytes, "big", signed=True) == -1
                 break
             replayed.append((int.from_bytes(seq_bytes, "big"), DECODER.decode(payload)))
+            assert replayed[-1][1].data_parallel_rank == 0
         assert [seq for seq, _ in replayed] == list(range(len(replayed)))
         assert replayed[0][1].events == [AllBlocksCleared()]
         replayed_hashes = [h for _, batch in replayed for e in batch.events

@@ -6,11 +6,15 @@ forwards (no_stop_trim, separate_reasoning, stream_reasoning, return_hidden_stat
 continue_final_message, include_reasoning) and tokenizes chats through /tokenize. Those
 fields at their defaults are accepted; a value that asks for something this server does
 not do is a 400 naming the field; an unknown field is still a 400.
+
+vllm-router's kv_aware policy reads the replicas' KV events (--kv-events-config, vLLM's
+wire format; item 2): a prompt whose prefix one replica computed is routed to that one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sysconfig
@@ -35,19 +39,29 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replicas(model_dir):
-    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--port", "0",
-            "--kv-cache-memory", "32M", "--max-model-len", "256", "--dtype", "float32"]
+    """Two replicas, each publishing its KV events on its own two ports."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(serving(ServerProcess(args, env={}))) for _ in range(2)]
+        started = []
+        for _ in range(2):
+            events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                      "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+            args = ["--model", str(model_dir), "--served-model-name", "tiny", "--port", "0",
+                    "--kv-cache-memory", "32M", "--max-model-len", "256", "--dtype", "float32",
+                    "--block-size", "16", "--kv-events-config", json.dumps(events)]
+            replica = stack.enter_context(serving(ServerProcess(args, env={})))
+            replica.events = events
+            started.append(replica)
+        yield started
 
 
-@pytest.fixture(scope="module")
-def router(replicas):
+@contextlib.contextmanager
+def running_router(replicas, policy: str, *extra: str):
     port = free_port()
     proc = subprocess.Popen(
-        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
          "--prometheus-port", str(free_port()), "--worker-urls",
-         *[r.url for r in replicas], "--log-level", "warning"],
+         *[r.url for r in replicas], "--log-level", "warning", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -62,6 +76,12 @@ def router(replicas):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def router(replicas):
+    with running_router(replicas, "cache_aware") as url:
+        yield url
 
 
 def served_requests(replica) -> int:
@@ -91,6 +111,37 @@ def test_chat_and_completions_through_vllm_router(router, replicas):
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert served == 9  # every request reached a replica once
+
+
+@needs_router
+def test_kv_aware_routes_by_the_replicas_kv_events(replicas):
+    """A prefix computed on one replica (sent to it directly, past the router) is known
+    to the router only from that replica's BlockStored events; kv_aware sends the next
+    prompt with that prefix there, whichever replica it is."""
+    sources = []
+    for replica in replicas:
+        sources += ["--kv-event-source", f"{replica.url}={replica.events['endpoint']}",
+                    "--kv-event-replay-source",
+                    f"{replica.url}={replica.events['replay_endpoint']}"]
+    with running_router(replicas, "kv_aware", "--kv-event-block-size", "16",
+                        "--kv-event-model", "tiny", *sources) as url:
+        for holder in (1, 0):  # 1 first: with no events the router's tie goes to 0
+            prefix = f"tenant{holder} " + " ".join(f"word{i}" for i in range(12))
+            warm = direct(replicas[holder], "/v1/completions", prompt=prefix + " one")
+            assert warm.status_code == 200, warm.text
+            time.sleep(1.0)  # the events reach the router over loopback ZeroMQ
+            before = [served_requests(r) for r in replicas]
+            routed = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prefix + " two", "max_tokens": 2,
+                "temperature": 0})
+            assert routed.status_code == 200, routed.text
+            deadline = time.monotonic() + 10  # the access-log line may come a moment late
+            while sum(served_requests(r) for r in replicas) == sum(before) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            went = [served_requests(r) - b for r, b in zip(replicas, before, strict=True)]
+            assert went == [int(i == holder) for i in range(2)], went
+            assert routed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
 def direct(replica, path: str, **fields) -> httpx.Response:
