@@ -28,8 +28,8 @@ from typing import Any, Literal, NamedTuple
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 # The groups of `pagedserve serve --help`, in its order.
-OPTION_GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "server", "limits",
-                 "observability")
+OPTION_GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "lora", "server",
+                 "limits", "observability")
 
 
 @dataclass(frozen=True)
@@ -286,6 +286,35 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters on the base model (engine/lora/), as vLLM spells the flags."""
+
+    enable_lora: bool = option(
+        False, "--enable-lora", "Serve LoRA adapters (PEFT checkpoints) on the base model: "
+        "a request picks one by its 'model' (server: --lora-modules, /v1/load_lora_adapter).",
+        group="lora")
+    max_loras: int = option(
+        1, "--max-loras", "Most adapters one step runs (requests of another adapter wait "
+        "for a slot).", group="lora", type=positive_int)
+    max_lora_rank: int = option(
+        16, "--max-lora-rank", "Highest adapter rank accepted.", group="lora",
+        type=positive_int)
+    max_cpu_loras: int | None = option(  # None: max_loras
+        None, "--max-cpu-loras", "Adapters kept loaded in memory (least recently used "
+        "ones are dropped and read again when asked for). Default: --max-loras.",
+        group="lora", type=positive_int)
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = option(128, "--max-num-seqs", "Most sequences running in one step.",
                                group="scheduler", type=positive_int)
@@ -472,6 +501,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     # None: no speculative decoding (every step decodes one token per request).
     speculative_config: SpeculativeConfig | None = option(
         None, "--speculative-config", "Speculative decoding, as vLLM spells it: JSON such as "
@@ -514,13 +544,14 @@ class EngineConfig:
             scheduler_config=from_options(SchedulerConfig, values),
             parallel_config=from_options(ParallelConfig, values),
             device_config=from_options(DeviceConfig, values),
+            lora_config=from_options(LoRAConfig, values),
         )
 
 
 def engine_options() -> list[Declared]:
     """Every option of the engine (what `LLM` takes and the CLI's engine flags)."""
     classes = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig,
-               EngineConfig)
+               LoRAConfig, EngineConfig)
     return [declared for cls in classes for declared in declared_options(cls)]
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import BlockHash, BlockHasher
+from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -58,6 +59,8 @@ class EngineCoreRequest:
     # A pooling request (embeddings): prefill only, its output a vector (see
     # engine.pooling_params); its sampling_params are unused.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs under (engine/lora/); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class Request:
@@ -80,7 +83,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_output_placeholders",
         "num_cached_tokens", "num_preemptions", "max_tokens", "last_token_time", "grammar",
         "stop_check_token_ids", "_block_hasher", "block_hashes", "_next_full_block_tokens",
-        "pooling_params",
+        "pooling_params", "lora_request", "first_block_keys",
     )
 
     def __init__(
@@ -94,6 +97,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -103,6 +107,11 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.pooling_params = pooling_params
+        self.lora_request = lora_request
+        # What the first block's hash covers beside its tokens: the salt and the adapter
+        # (KV computed under one adapter is never another's). None: neither.
+        keys = tuple(k for k in (cache_salt, lora_request and lora_request.cache_key()) if k)
+        self.first_block_keys = keys or None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -146,6 +155,7 @@ class Request:
             cache_salt=request.cache_salt,
             block_hasher=block_hasher,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     @property
@@ -172,7 +182,8 @@ class Request:
             return
         if (len(self.block_hashes) + 1) * hasher.block_size <= self.num_tokens:
             self.block_hashes.extend(
-                hasher.new_block_hashes(self.all_token_ids, self.block_hashes, self.cache_salt))
+                hasher.new_block_hashes(self.all_token_ids, self.block_hashes,
+                                        self.first_block_keys))
         self._next_full_block_tokens = (len(self.block_hashes) + 1) * hasher.block_size
 
     def __repr__(self) -> str:

@@ -75,7 +75,9 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_info.num_blocks,
                                    structured_output=self.structured_output,
                                    speculative_config=config.speculative_config,
-                                   kv_cache_groups=self.kv_cache_info.kv_cache_groups)
+                                   kv_cache_groups=self.kv_cache_info.kv_cache_groups,
+                                   max_loras=(config.lora_config.max_loras
+                                              if config.lora_config.enable_lora else 0))
         self.num_steps = 0  # steps scheduled with work
         self.num_steps_applied = 0  # of those, steps whose results are applied
         self._in_flight: deque[_StepInFlight] = deque()

@@ -39,6 +39,7 @@ from engine.frontend.core_client import (
 )
 from engine.frontend.output_processor import OutputProcessor, RequestState
 from engine.frontend.processor import Processor
+from engine.lora_request import LoRARequest
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
@@ -239,6 +240,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; the last one has `finished`.
 
@@ -249,7 +251,7 @@ class AsyncEngine:
         """
         stream = await self.add_request(
             prompt, sampling_params, req_id, prompt_text=prompt_text, priority=priority,
-            cache_salt=cache_salt, arrival_time=arrival_time)
+            cache_salt=cache_salt, arrival_time=arrival_time, lora_request=lora_request)
         try:
             async for output in stream:
                 yield output
@@ -285,13 +287,15 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request now and return its stream (see `generate` for the errors).
 
         The caller owns the stream: it must iterate it to the end or `aclose()` it.
         """
         state = await self._add_request(prompt, sampling_params, req_id, prompt_text,
-                                        priority, cache_salt, arrival_time, pooling_params)
+                                        priority, cache_salt, arrival_time, pooling_params,
+                                        lora_request)
         return RequestStream(self, state)
 
     def abort_request(self, req_id: str) -> bool:
@@ -304,7 +308,8 @@ class AsyncEngine:
         return True
 
     async def _add_request(self, prompt, params, req_id, prompt_text, priority, cache_salt,
-                           arrival_time, pooling_params=None) -> RequestState:
+                           arrival_time, pooling_params=None, lora_request=None
+                           ) -> RequestState:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if req_id in self._requests:
@@ -312,7 +317,7 @@ class AsyncEngine:
         processed = self.processor.process_inputs(
             req_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
             prompt_text=prompt_text, priority=priority, cache_salt=cache_salt,
-            pooling_params=pooling_params)
+            pooling_params=pooling_params, lora_request=lora_request)
         self._ensure_output_task()
         if not self._requests:
             self._busy_since = time.monotonic()

@@ -19,6 +19,8 @@ from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
+from engine.lora.checkpoint import check_adapter
+from engine.lora_request import LoRARequest
 from engine.model_loader.resources import load_model_resources
 from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
@@ -57,6 +59,8 @@ class LLM:
         # The tokenizer and EOS ids, as the server loads them: both stop at the same token.
         self.resources = load_model_resources(resolved.path, config.model_config.chat_template)
         self.tokenizer = self.resources.tokenizer
+        self.config = config
+        self._checked_adapters: set[str] = set()  # adapter paths check_adapter passed
         self.engine_core = EngineCore(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len
         self.processor = Processor(self.tokenizer, self.max_model_len,
@@ -91,9 +95,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); input order."""
+        """Generate for every prompt (a string or a list of token ids); input order.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base);
+        needs `enable_lora=True`."""
         prompts = _prompt_list(prompts)
+        lora_requests = self._lora_requests(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -104,7 +112,29 @@ class LLM:
                 raise ValueError("give one SamplingParams, or one per prompt")
         # The model's other EOS ids (generation_config) stop a request, as in the server.
         params_list = [self.resources.with_model_stops(params) for params in params_list]
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, lora_requests=lora_requests)
+
+    def _hf_text_config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_dir).get_text_config()
+
+    def _lora_requests(self, lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the base once."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * num_prompts
+        else:
+            requests = list(lora_request)
+            if len(requests) != num_prompts:
+                raise ValueError("give one LoRARequest, or one per prompt")
+        lora = self.config.lora_config
+        for request in {r for r in requests if r is not None}:
+            if not lora.enable_lora:
+                raise ValueError("a LoRARequest needs LLM(..., enable_lora=True)")
+            if request.path not in self._checked_adapters:
+                check_adapter(request.path, self._hf_text_config(), lora.max_lora_rank)
+                self._checked_adapters.add(request.path)
+        return requests
 
     def chat(
         self,
@@ -145,14 +175,16 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
         pooling_params: PoolingParams | None = None,
+        lora_requests: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Add every request (raises PromptError before any is added), then step the core
         until all are done."""
         core, output_processor = self.engine_core, self.output_processor
+        lora_requests = lora_requests or [None] * len(prompts)
         processed = [
             self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time(),
-                                          pooling_params=pooling_params)
-            for prompt, params in zip(prompts, params_list, strict=True)
+                                          pooling_params=pooling_params, lora_request=lora)
+            for prompt, params, lora in zip(prompts, params_list, lora_requests, strict=True)
         ]
         states = [output_processor.add_request(request) for request in processed]
         for request in processed:

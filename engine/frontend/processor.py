@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
@@ -134,6 +135,7 @@ class Processor:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and check (raises PromptError), then fan out: a request with n == 1
         keeps its id; sequence i of a larger n is "{req_id}-{i}" with its own seed.
@@ -156,6 +158,7 @@ class Processor:
                 priority=priority,
                 cache_salt=cache_salt,
                 pooling_params=pooling_params,
+                lora_request=lora_request,
             )
             for index in range(params.n)
         ]

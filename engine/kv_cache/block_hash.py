@@ -11,7 +11,8 @@ before them matched too:
     hashes:                 g0=H(None, 他喜不喜) | g1=H(g0, 欢吃苹果)   -> g1 != h1
 
 Partial blocks are never hashed. `extra_keys` of the first block carry the request's
-`cache_salt`, so tenants with different salts never share a prefix.
+`cache_salt` and its LoRA adapter (engine/request.py `first_block_keys`), so tenants
+with different salts, and requests of different adapters, never share a prefix.
 """
 
 from __future__ import annotations
@@ -76,15 +77,16 @@ class BlockHasher:
         self,
         token_ids: Sequence[int],
         existing: Sequence[BlockHash],
-        cache_salt: str | None = None,
+        first_block_keys: tuple[Any, ...] | None = None,
     ) -> list[BlockHash]:
-        """Hashes for full blocks of `token_ids` beyond the `existing` ones."""
+        """Hashes for full blocks of `token_ids` beyond the `existing` ones; the first
+        block's also covers `first_block_keys`."""
         hashes: list[BlockHash] = []
         parent = existing[-1] if existing else None
         block_index = len(existing)
         while (block_index + 1) * self.block_size <= len(token_ids):
             start = block_index * self.block_size
-            extra = (cache_salt,) if (block_index == 0 and cache_salt) else None
+            extra = first_block_keys if block_index == 0 else None
             parent = hash_block_tokens(
                 self.hash_fn, parent, token_ids[start : start + self.block_size], extra
             )

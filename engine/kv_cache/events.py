@@ -36,6 +36,8 @@ from typing import Any
 
 import msgspec
 
+from engine.lora_request import LoRARequest
+
 MEDIUM = "GPU"  # vLLM's name for the device KV cache (its CPU offload tier is "CPU")
 ExternalBlockHash = int | bytes
 
@@ -94,13 +96,16 @@ class KVEventLog:
         self._events: list[KVCacheEvent] = []
 
     def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int],
-               extra_keys: list[tuple[Any, ...] | None] | None = None) -> None:
+               extra_keys: list[tuple[Any, ...] | None] | None = None,
+               lora: LoRARequest | None = None) -> None:
         """`extra_keys`: per block, what its hash covers beside the tokens (the first
-        block's cache salt); None when no block has any."""
+        block's cache salt and adapter); None when no block has any. `lora`: the
+        adapter the blocks' KV was computed under."""
         self._events.append(BlockStored(
             [wire_hash(h) for h in block_hashes],
             None if parent is None else wire_hash(parent),
-            list(token_ids), self.block_size, lora_id=None, medium=MEDIUM, lora_name=None,
+            list(token_ids), self.block_size, lora_id=lora and lora.lora_id, medium=MEDIUM,
+            lora_name=lora and lora.name,
             extra_keys=extra_keys if extra_keys and any(extra_keys) else None, group_idx=0))
 
     def removed(self, block_hash: bytes) -> None:

@@ -217,11 +217,11 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         for run in runs:
             parent = hashes[run[0] - 1] if run[0] > 0 else None
-            # The first block's hash covers the cache salt (block_hash.py); vLLM says so.
-            extra = [(request.cache_salt,) if i == 0 and request.cache_salt else None
-                     for i in run]
+            # The first block's hash covers the salt and adapter (block_hash.py): say so.
+            extra = [request.first_block_keys if i == 0 else None for i in run]
             self.block_pool.events.stored([hashes[i] for i in run], parent,
-                                          tokens[run[0] * size:(run[-1] + 1) * size], extra)
+                                          tokens[run[0] * size:(run[-1] + 1) * size], extra,
+                                          request.lora_request)
 
     def _hits_of_every_group(self, request: Request, group0_hits: list[KVCacheBlock]
                              ) -> list[list[KVCacheBlock]]:

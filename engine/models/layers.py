@@ -26,10 +26,13 @@ place: engine.models.quant, engine.models.gguf_weight) holds only the packed wei
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.forward_context import current_lora_mapping
 from engine.distributed.parallel_state import get_tp_group
 from engine.distributed.sharding import RowRange, even_range, padded_range
 from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
@@ -115,14 +118,21 @@ class Linear(nn.Module):
         self.weight = empty_param(out_features, in_features) if weight is None else weight
         self.bias = empty_param(out_features) if bias else None
         self.quantized: QuantizedWeight | None = None
+        # --enable-lora: an engine.lora.layers.LinearLoRA, set by engine/lora/manager.py
+        # (engine.models does not import engine.lora: the manager imports the models).
+        self.lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized.matmul(x, bias)
-        return F.linear(x, self.weight, bias)
+        out = (self.quantized.matmul(x, bias) if self.quantized is not None
+               else F.linear(x, self.weight, bias))
+        if self.lora is not None:  # --enable-lora: the adapters' side path
+            mapping = current_lora_mapping()
+            if mapping is not None:
+                self.lora.add_to(out, x, mapping)
+        return out
 
     def quantize(self, spec: QuantSpec, max_rows: int | None = None,
                  dtype: torch.dtype | None = None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -27,6 +28,8 @@ class NewRequestData:
     extra_group_block_ids: list[list[int]] = field(default_factory=list)
     # A pooling request: the runner pools its prompt's hidden states instead of sampling.
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs under (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -59,6 +59,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+        max_loras: int = 0,  # --enable-lora: most adapters in one step (0: no adapters)
     ):
         if (
             not scheduler_config.enable_chunked_prefill
@@ -70,6 +71,7 @@ class Scheduler:
                 f"({scheduler_config.max_model_len}), or long prompts could never run"
             )
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         # One group unless the model mixes full and sliding-window attention: the
@@ -362,10 +364,20 @@ class Scheduler:
             C is admitted; B, back in waiting, does not outrank itself: the loop stops.
         """
         waiting, running = self.waiting, self.running
+        # Requests whose LoRA adapter has no slot this step step aside (in order) and
+        # keep their place; the others behind them may run.
+        adapters = ({r.lora_request.lora_id for r in running if r.lora_request is not None}
+                    if self.max_loras else set())
+        no_slot: list[Request] = []
         while len(waiting) > 0 and step.token_budget > 0:
             request = waiting.peek()
             if step.preempted and request.priority >= min(v.priority for v in step.preempted):
                 break  # after preempting, only requests that outrank every victim jump in
+            lora = request.lora_request
+            if lora is not None and lora.lora_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    no_slot.append(waiting.pop())
+                    continue
             if len(running) < self.config.max_num_seqs:
                 if request.pooling_params is None:
                     computed_blocks, num_computed = \
@@ -381,6 +393,8 @@ class Scheduler:
                 if self.kv_cache_manager.allocate_slots(
                         request, num_new_tokens, computed_blocks, num_computed) is not None:
                     self._admit(step, request, num_computed, num_new_tokens)
+                    if lora is not None:
+                        adapters.add(lora.lora_id)
                     continue
             # No seat, or no KV blocks: preempt a running request it outranks, then look
             # its prefix up again (the victim's blocks may be gone); or it waits.
@@ -388,6 +402,8 @@ class Scheduler:
             if victim is None:
                 break
             self._preempt_in_step(step, victim)
+        for request in reversed(no_slot):
+            waiting.add_preempted(request)
 
     def _admit(self, step: _StepPlan, request: Request, num_computed: int,
                num_new_tokens: int) -> None:
@@ -509,6 +525,7 @@ class Scheduler:
                 eos_token_id=r.eos_token_id,
                 extra_group_block_ids=manager.get_extra_group_block_ids(r.req_id),
                 pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new
         ]

@@ -134,6 +134,16 @@ class Worker:
                 config.device_config.attention_backend)
             self.draft_specs = kv_cache_init.get_kv_cache_specs(
                 draft_model.attention_layers, kv_cache_dtype, block_size)
+        lora_manager = None
+        lora = config.lora_config
+        if lora.enable_lora:
+            from engine.lora.manager import LoRAModelManager
+
+            if rank.size > 1:
+                raise ValueError("--enable-lora does not run with --tensor-parallel-size > 1 "
+                                 "yet (the adapters' B matrices are not sharded)")
+            lora_manager = LoRAModelManager(model, text_config, lora.num_cpu_loras,
+                                            lora.max_lora_rank, dtype, device)
         self.runner = ModelRunner(
             model, self.backend, device, max_num_reqs=sched.max_num_seqs,
             max_model_len=self.max_model_len, block_size=block_size, vocab_size=self.vocab_size,
@@ -143,6 +153,7 @@ class Worker:
                 device, config.model_config.enforce_eager or rank.size > 1,
                 sched.max_num_seqs),
             draft_model=draft_model,
+            lora_manager=lora_manager,
         )
         if rank.size > 1:
             from engine.distributed.sampling import FirstRankSampler

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from engine.attention.backends.base import AttentionBackend
-from engine.attention.forward_context import set_forward_context
+from engine.attention.forward_context import LoRAMapping, set_forward_context
 from engine.attention.layer import Attention
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.parallel_state import get_tp_group, whole_model_on_each_rank
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
+from engine.lora.manager import LoRAModelManager
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.pooling_params import PoolingParams
 from engine.sample import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
@@ -83,6 +84,8 @@ class ModelInputs:
     # A cross-encoder's pairs (PoolingParams.token_type_start): each token's type, 0 or 1;
     # None when no request of the step has a second segment.
     token_type_ids: torch.Tensor | None = None
+    # Which tokens run under which LoRA adapter; None when all run the base.
+    lora: LoRAMapping | None = None
 
 
 class ModelRunner:
@@ -97,9 +100,12 @@ class ModelRunner:
         vocab_size: int,
         decode_graphs: DecodeGraphConfig | None = None,  # None: every step eager
         draft_model: DraftModel | None = None,  # speculative method draft_model
+        lora_manager: LoRAModelManager | None = None,  # --enable-lora
     ):
         self.model = model
         self.draft_model = draft_model
+        self.lora_manager = lora_manager
+        self._lora_ids: dict[str, int] = {}  # requests under an adapter -> its lora_id
         self.backend = backend
         self.device = device
         self.block_size = block_size
@@ -221,11 +227,12 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(inputs.attn_metadata):
+        if graphs is not None and inputs.lora is None and graphs.fits(inputs.attn_metadata):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         group_metadata = ([inputs.attn_metadata, *inputs.extra_group_metadata]
                           if inputs.extra_group_metadata else None)
-        with set_forward_context(inputs.attn_metadata, self.backend, group_metadata):
+        with set_forward_context(inputs.attn_metadata, self.backend, group_metadata,
+                                 inputs.lora):
             if inputs.token_type_ids is not None:
                 return self.model(inputs.input_ids, inputs.positions,
                                   token_type_ids=inputs.token_type_ids)
@@ -251,12 +258,18 @@ class ModelRunner:
             self.eos_token_ids.pop(req_id, None)
             self._prompt_logprobs_req_ids.discard(req_id)
             self._pooling_params.pop(req_id, None)
+            self._lora_ids.pop(req_id, None)
             self._preempted_generators.pop(req_id, None)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             generator = self._remove_row(req_id)  # keep its state: it will resume
             if generator is not None:
                 self._preempted_generators[req_id] = generator
+        if self.lora_manager is not None:
+            adapters = [new.lora_request for new in scheduler_output.scheduled_new_reqs
+                        if new.lora_request is not None]
+            if adapters:
+                self.lora_manager.activate(adapters, set(self._lora_ids.values()))
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
@@ -272,6 +285,8 @@ class ModelRunner:
                 self._prompt_logprobs_req_ids.add(new.req_id)
             if new.pooling_params is not None:
                 self._pooling_params[new.req_id] = new.pooling_params
+            if new.lora_request is not None:
+                self._lora_ids[new.req_id] = new.lora_request.lora_id
             self._add_row(state)
         if scheduler_output.num_blocks_after_rollback:
             self._cut_block_lists(scheduler_output.num_blocks_after_rollback)
@@ -432,7 +447,16 @@ class ModelRunner:
             drafts=drafts,
             pool_req_indices=pool_req_indices,
             token_type_ids=token_type_ids,
+            lora=self._lora_mapping(req_ids, req_indices),
         )
+
+    def _lora_mapping(self, req_ids: list[str], req_indices: np.ndarray
+                      ) -> LoRAMapping | None:
+        """The step's tokens by adapter (see LoRAModelManager.mapping); None without any."""
+        if not self._lora_ids:
+            return None
+        ids = np.fromiter((self._lora_ids.get(r, 0) for r in req_ids), np.int64, len(req_ids))
+        return self.lora_manager.mapping(ids[req_indices])
 
     def _token_type_ids(self, req_ids: list[str], req_indices: np.ndarray,
                         positions: np.ndarray) -> torch.Tensor | None:

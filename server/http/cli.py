@@ -32,6 +32,7 @@ GROUP_HELP = {
     "scheduler": "What each engine step runs.",
     "parallel": "Tensor-parallel ranks, nodes and CPU threads.",
     "speculative": "Speculative decoding (docs/speculative-decoding.md).",
+    "lora": "LoRA adapters on the base model (docs/lora.md).",
     "server": "The HTTP server: address, API servers, auth, CORS, chat parsers, shutdown.",
     "limits": "Caps a client cannot exceed.",
     "observability": "Logs and the engine x-ray.",

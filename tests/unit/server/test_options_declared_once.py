@@ -67,8 +67,8 @@ def test_every_flag_is_a_declared_option_with_its_default(parser):
 
 def test_groups_in_help(parser):
     titles = [g.title for g in parser._action_groups]
-    assert titles[-8:] == ["model", "cache", "scheduler", "parallel", "speculative", "server",
-                           "limits", "observability"]
+    assert titles[-9:] == ["model", "cache", "scheduler", "parallel", "speculative", "lora",
+                           "server", "limits", "observability"]
 
 
 def test_cli_defaults_are_the_dataclass_defaults(parser):
