@@ -103,5 +103,6 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
 
     request_id = new_request_id(id_prefix)
     active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
-                                         priority=body.priority, cache_salt=body.cache_salt)
+                                         priority=body.priority, cache_salt=body.cache_salt,
+                                         lora_request=state.lora_request(body.model))
     return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids))

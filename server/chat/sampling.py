@@ -38,7 +38,8 @@ def new_request_id(prefix: str) -> str:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.served_model_names:
+    if model is not None and model not in state.served_model_names and (
+            state.lora is None or model not in state.lora):
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from engine.config import byte_size, option, positive_int, positive_seconds
 from engine.frontend.async_engine import AsyncEngine, RequestStream
+from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from server.common.api_label import GENERATION_PATHS
@@ -196,6 +197,7 @@ class Lifecycle:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ActiveRequest:
         """Admit the request (or raise a 503 APIError) and queue its engine requests.
 
@@ -214,7 +216,8 @@ class Lifecycle:
                            else pooling_params)
                 streams.append(await self.engine.add_request(
                     token_ids, params, req_id, prompt_text=text, priority=priority,
-                    cache_salt=cache_salt, pooling_params=pooling))
+                    cache_salt=cache_salt, pooling_params=pooling,
+                    lora_request=lora_request))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

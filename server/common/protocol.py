@@ -448,6 +448,7 @@ class ModelCard(OpenAIResponse):
     created: int
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
     # What unset sampling fields take on this server (the owner's and the model's
     # defaults: --generation-config, --override-generation-config, --max-tokens-default).

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
+from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_defaults import SamplingDefaults
 from engine.xray_schema import XrayLimits
 from server.common.lifecycle import Lifecycle, ServerLimits
+from server.common.lora import LoRAAdapters
 from server.common.metrics import ServerMetrics
 
 
@@ -67,6 +69,10 @@ class ServerState:
     embedding_size: int | None = None
     matryoshka: bool = False
     cross_encoder: bool = False  # a reranker scoring (query, document) pairs
+    # --enable-lora: the adapters offered under their own names (server/common/lora.py);
+    # None: the base only. `lora_runtime_updating`: /v1/load_lora_adapter and unload.
+    lora: LoRAAdapters | None = None
+    lora_runtime_updating: bool = False
 
     # The Responses API's stored responses (server/apis/responses/store.py; its routes
     # build it from `limits` if not given).
@@ -80,6 +86,10 @@ class ServerState:
     def model_name(self) -> str:
         """The name responses carry."""
         return self.served_model_names[0]
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base)."""
+        return None if self.lora is None else self.lora.get(model)
 
     @property
     def max_model_len(self) -> int:

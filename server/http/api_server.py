@@ -67,6 +67,7 @@ from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
 from server.chat.tool_parsers import TOOL_CALL_PARSERS, parser_for_model_type
 from server.common.lifecycle import ServerLimits
+from server.common.lora import LoRAAdapters, parse_lora_module, runtime_updating_allowed
 from server.common.metrics import ServerMetrics
 from server.common.state import ServerState, XrayOptions
 from server.http.app import build_app
@@ -116,6 +117,16 @@ class ServeOptions:
         "(the families vLLM has, as vllm:*, for routers and dashboards built for vLLM: "
         "num_requests_waiting, kv_cache_usage_perc, cache_config_info, lora_requests_info, "
         "...), or 'both'.", group="observability", choices=("both", "pagedserve", "vllm"))
+    lora_modules: list[str] = option(
+        None, "--lora-modules", "LoRA adapters to serve (with --enable-lora), each under its "
+        "own model name: 'name=path' or JSON '{\"name\": ..., \"path\": ...}', several "
+        "comma-free values separated by spaces in one quoted value or the flag repeated as "
+        "one JSON list. Example: --lora-modules 'sql=/a/sql chat=/a/chat'.", group="lora",
+        type=lambda text: text.split(), default_factory=list)
+    allow_runtime_lora_updating: bool = option(
+        False, "--allow-runtime-lora-updating", "Serve POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, "
+        "vLLM's switch).", group="lora")
     log_level: str = option("info", "--log-level", "Log level.", group="observability",
                             choices=("debug", "info", "warning", "error"))
     engine_mode: Literal["process", "thread"] = "process"
@@ -291,6 +302,23 @@ class APIServer:
         host, port = self.socket.getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
+    def _lora_adapters(self, options: ServeOptions) -> LoRAAdapters | None:
+        """--enable-lora: the --lora-modules adapters, each checked against the base (a
+        bad one stops the start with its reason)."""
+        lora = self.engine_config.lora_config
+        if not lora.enable_lora:
+            if options.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return None
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.model_dir).get_text_config()
+        adapters = LoRAAdapters(hf_config, lora.max_lora_rank, self.served_model_names)
+        for module in options.lora_modules:
+            spec = parse_lora_module(module)
+            adapters.add(spec["name"], spec["path"])
+        return adapters
+
     def sampling_defaults(self, generation_config: dict[str, Any]) -> SamplingDefaults:
         """This server's sampling defaults (logged once; the model's generation config
         read by load_model_resources)."""
@@ -358,6 +386,8 @@ class APIServer:
             pooling=resources.pooling,
             embedding_size=embedding_size[0], matryoshka=embedding_size[1],
             cross_encoder=is_cross_encoder(self.model_dir),
+            lora=self._lora_adapters(options),
+            lora_runtime_updating=runtime_updating_allowed(options.allow_runtime_lora_updating),
         )
         app = build_app(self.state, options.allowed_origins)
         if self.shared_core is not None:

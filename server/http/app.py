@@ -109,6 +109,10 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     anthropic_routes.install_routes(app, state, auth)
     ollama_routes.install_routes(app, state, auth, package_version())
     embedding_routes.install_routes(app, state, auth)
+    if state.lora is not None and state.lora_runtime_updating:
+        from server.apis.openai.lora_routes import install_lora_routes
+
+        install_lora_routes(app, state, auth)
     install_xray_routes(app, state)
     _install_openapi(app)
     return app

@@ -116,7 +116,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
     # From here on the engine has the request: it ends with the response (see below).
     active = await state.lifecycle.start(
         [(f"{request_id}-{p}", ids, text) for p, (text, ids) in enumerate(prompts)], params,
-        priority=body.priority, cache_salt=body.cache_salt)
+        priority=body.priority, cache_salt=body.cache_salt,
+        lora_request=state.lora_request(body.model))
     if body.stream:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         chunks = _chunks(state, body, request_id, created, prompts, active, formatter,

@@ -63,6 +63,12 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
                       sampling_defaults=state.sampling_defaults.fields,
                       chat_template=state.chat_template_source)
             for name in state.served_model_names
+        ] + [
+            ModelCard(id=adapter.name, created=state.created, root=adapter.path,
+                      parent=state.model_name, max_model_len=state.max_model_len,
+                      sampling_defaults=state.sampling_defaults.fields,
+                      chat_template=state.chat_template_source)
+            for adapter in (state.lora or [])
         ])
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth,

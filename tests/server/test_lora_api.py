@@ -1,0 +1,113 @@
+"""LoRA adapters through the server (issue 44, item 4): --enable-lora --lora-modules,
+`model` picks the adapter, /v1/models lists it with its parent, vLLM's runtime
+load/unload routes, and bad adapters as 400s / 404s in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.support.lora_fixtures import build_adapter, peft_greedy_reference
+from tests.support.model_fixtures import build_tiny_checkpoint
+from tests.support.server_fixtures import ServerThread
+
+PROMPT = list(range(40, 90))
+NUM_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_api")
+    base = build_tiny_checkpoint(root / "base", "llama")
+    adapters = {name: build_adapter(base, root, name, seed=i)
+                for i, name in enumerate(["a4", "b8", "c16"])}
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def server(case):
+    from server.http.api_server import APIServer, ServeOptions
+    from server.http.cli import engine_config_from_args, make_arg_parser
+
+    base, adapters = case
+    args = make_arg_parser().parse_args(
+        ["--model", str(base), "--dtype", "float32", "--max-model-len", "256", "--port", "0",
+         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+         "--lora-modules", f"a4={adapters['a4']} b8={adapters['b8']}",
+         "--allow-runtime-lora-updating", "--log-level", "warning"])
+    options = ServeOptions.from_options(vars(args), engine_mode="thread")
+    thread = ServerThread(APIServer(options, engine_config_from_args(args, args.model, "tiny"),
+                                    args.model, ["tiny"])).start()
+    yield thread
+    thread.stop()
+
+
+def completion_text(server, model: str) -> str:
+    body = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPT, "max_tokens": NUM_NEW, "temperature": 0,
+        "ignore_eos": True}).json()
+    assert "choices" in body, body
+    return body["choices"][0]["text"]
+
+
+def test_model_picks_the_adapter_and_matches_peft(server, case):
+    from transformers import AutoTokenizer
+
+    base, adapters = case
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    texts = {}
+    for name in ("a4", "b8", None):
+        ref = peft_greedy_reference(base, adapters.get(name), [PROMPT], NUM_NEW)
+        texts[name] = completion_text(server, name or "tiny")
+        assert texts[name] == tokenizer.decode(ref.token_ids[0]), name
+    assert len(set(texts.values())) == 3  # each adapter answers differently
+
+
+def test_models_lists_adapters_with_their_parent(server, case):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    cards = {m.id: m for m in client.models.list().data}
+    assert {"tiny", "a4", "b8"} <= set(cards)
+    assert cards["a4"].parent == "tiny" and cards["a4"].root == str(case[1]["a4"])
+    chat = client.chat.completions.create(model="b8", max_tokens=4,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.model == "b8" or chat.model == "tiny"
+    assert chat.usage.completion_tokens >= 1
+
+
+def test_an_unknown_model_is_a_404(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_runtime_load_and_unload(server, case):
+    _, adapters = case
+    url = server.url
+    fresh = adapters["a4"]
+    loaded = httpx.post(url + "/v1/load_lora_adapter",
+                        json={"lora_name": "late", "lora_path": str(fresh)})
+    assert loaded.status_code == 200, loaded.text
+    assert completion_text(server, "late") == completion_text(server, "a4")
+    assert httpx.post(url + "/v1/unload_lora_adapter",
+                      json={"lora_name": "late"}).status_code == 200
+    gone = httpx.post(url + "/v1/completions", json={"model": "late", "prompt": "hi",
+                                                     "max_tokens": 2})
+    assert gone.status_code == 404
+    again = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert again.status_code == 404 and again.json()["error"]["param"] == "lora_name"
+
+
+@pytest.mark.parametrize("path_of,message", [
+    (lambda a: "/nonexistent/adapter", "no adapter_config.json"),
+    (lambda a: str(a["c16"]), "rank 16 is over --max-lora-rank 8"),
+])
+def test_bad_adapters_are_400s(server, case, path_of, message):
+    response = httpx.post(server.url + "/v1/load_lora_adapter",
+                          json={"lora_name": "bad", "lora_path": path_of(case[1])})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == "lora_path"
+    assert httpx.post(server.url + "/v1/load_lora_adapter", json={
+        "lora_name": "a4", "lora_path": str(case[1]["a4"])}).status_code == 400  # name taken
