@@ -39,7 +39,13 @@ from datetime import datetime, timezone
 
 import httpx
 
-from benchmarks.compare_servers import commit, cpu_flags, machine_description, stop
+from benchmarks.compare_servers import (
+    commit,
+    cpu_flags,
+    machine_description,
+    stop,
+    wait_until_ready,
+)
 
 RUNS = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
         ("vllm-router", "kv_aware"), ("smg", "round_robin"), ("smg", "cache_aware"))
@@ -79,22 +85,10 @@ def binary(name: str) -> str | None:
     return shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
 
 
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: exited with status {process.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
 @contextlib.contextmanager
 def replicas(args: argparse.Namespace) -> Iterator[list[Replica]]:
     started: list[Replica] = []
-    pin = shutil.which("taskset") is not None and (args.cpus or 0) >= 2
+    pin = shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
     try:
         for index in range(2):
             port = free_port()
@@ -112,7 +106,7 @@ def replicas(args: argparse.Namespace) -> Iterator[list[Replica]]:
             started.append(Replica(f"http://127.0.0.1:{port}", process, events["endpoint"],
                                    events["replay_endpoint"]))
         for replica in started:
-            wait_ready(replica.url, replica.process)
+            wait_until_ready(replica.url, replica.process, 300)
         yield started
     finally:
         for replica in started:
@@ -135,7 +129,7 @@ def router(name: str, policy: str, pool: list[Replica], block_size: int) -> Iter
                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, process)
+        wait_until_ready(url, process, 300)
         yield url
     finally:
         stop(process)
@@ -236,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routers", nargs="+", default=sorted({n for n, _ in RUNS}))
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args(argv)
-    args.cpus = len(os.sched_getaffinity(0))
     requests = workload(args)
     results: list[RunResult] = []
     ideal = None

@@ -7,9 +7,10 @@
 Wire format (vLLM's ZmqEventPublisher): every engine step with events is one message
 on a PUB socket at `endpoint`, three frames: the topic, the sequence number (8 bytes,
 big-endian, from 0), the msgpack of a KVEventBatch (stamped with data-parallel rank 0:
-one engine per server). A subscriber that missed messages asks the ROUTER socket at `replay_endpoint` with the first sequence number it wants (8
-bytes) and gets, per buffered message still held (the last `buffer_steps`), the frames
-[sequence number, payload], then [-1 as 8 signed bytes, empty] as the end marker.
+one engine per server). A subscriber that missed messages asks the ROUTER socket at
+`replay_endpoint` with the first sequence number it wants (8 bytes) and gets, per
+buffered message still held (the last `buffer_steps`), the frames [sequence number,
+payload], then [-1 as 8 signed bytes, empty] as the end marker.
 
 The first message after start-up is an AllBlocksCleared: a subscriber that saw an
 earlier process of this replica forgets its blocks. A thread does the sending: the

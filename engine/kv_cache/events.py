@@ -42,12 +42,10 @@ MEDIUM = "GPU"  # vLLM's name for the device KV cache (its CPU offload tier is "
 ExternalBlockHash = int | bytes
 
 
-def wire_hash(block_hash: bytes) -> ExternalBlockHash:
+def wire_hash(block_hash: bytes, as_bytes: bool = False) -> ExternalBlockHash:
     """A block hash as vLLM puts it on the wire. Example: a digest ending in
-    bytes 00 .. 00 01 2c -> 300; with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, the digest."""
-    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
-        return block_hash
-    return int.from_bytes(block_hash[-8:], "big")
+    bytes 00 .. 00 01 2c -> 300; `as_bytes` (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0): the digest."""
+    return block_hash if as_bytes else int.from_bytes(block_hash[-8:], "big")
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -93,6 +91,7 @@ class KVEventLog:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
+        self._hashes_as_bytes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES") == "0"
         self._events: list[KVCacheEvent] = []
 
     def stored(self, block_hashes: list[bytes], parent: bytes | None, token_ids: list[int],
@@ -101,18 +100,20 @@ class KVEventLog:
         """`extra_keys`: per block, what its hash covers beside the tokens (the first
         block's cache salt and adapter); None when no block has any. `lora`: the
         adapter the blocks' KV was computed under."""
+        as_bytes = self._hashes_as_bytes
         self._events.append(BlockStored(
-            [wire_hash(h) for h in block_hashes],
-            None if parent is None else wire_hash(parent),
+            [wire_hash(h, as_bytes) for h in block_hashes],
+            None if parent is None else wire_hash(parent, as_bytes),
             list(token_ids), self.block_size, lora_id=lora and lora.lora_id, medium=MEDIUM,
             lora_name=lora and lora.name,
             extra_keys=extra_keys if extra_keys and any(extra_keys) else None, group_idx=0))
 
     def removed(self, block_hash: bytes) -> None:
+        wired = wire_hash(block_hash, self._hashes_as_bytes)
         if self._events and isinstance(self._events[-1], BlockRemoved):
-            self._events[-1].block_hashes.append(wire_hash(block_hash))
+            self._events[-1].block_hashes.append(wired)
         else:
-            self._events.append(BlockRemoved([wire_hash(block_hash)], MEDIUM, group_idx=0))
+            self._events.append(BlockRemoved([wired], MEDIUM, group_idx=0))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())

@@ -6,6 +6,7 @@
                    use, least recently used ones dropped past --max-cpu-loras
 
 Which adapter a request runs under is an engine/lora_request.py LoRARequest (a shared
-type: the scheduler and the KV cache read it). A request's adapter changes its KV, so its id is one of its prefix-cache keys
-(engine/request.py); the scheduler runs at most --max-loras adapters in one step.
+type: the scheduler and the KV cache read it). A request's adapter changes its KV, so
+its id is one of its prefix-cache keys (engine/request.py); the scheduler runs at most
+--max-loras adapters in one step.
 """

@@ -24,9 +24,8 @@ if TYPE_CHECKING:  # the HTTP frontend checks adapters without loading torch
 
 # The linears an adapter may target, by the name of the checkpoint's module: what the
 # decoder layers of every family served here compute (Phi-3's merged ones too).
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
-SUPPORTED_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+                     "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _PREFIX = "base_model.model."
 
 
@@ -39,8 +38,6 @@ class AdapterInfo:
     path: str
     rank: int
     scale: float
-    target_modules: tuple[str, ...]  # the checkpoint's module names it targets
-    base_model_name: str | None
 
 
 def _base_out_in(config: Any, target: str) -> tuple[int, int]:
@@ -108,7 +105,7 @@ def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
                            f"{config['bias']!r}) are not supported")
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    targets: set[str] = set()
+    num_tensors = 0
     for key, shape in _tensor_shapes(weights_file).items():
         found = module_of(key)
         if found is None:
@@ -128,11 +125,10 @@ def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
         if shape != want:
             raise AdapterError(f"LoRA adapter {path!r}: {key} is {list(shape)}, the base "
                                f"needs {list(want)} (an adapter of another model?)")
-        targets.add(target)
-    if not targets:
+        num_tensors += 1
+    if not num_tensors:
         raise AdapterError(f"LoRA adapter {path!r}: no LoRA weights")
-    return AdapterInfo(path, rank, scale, tuple(sorted(targets)),
-                       config.get("base_model_name_or_path"))
+    return AdapterInfo(path, rank, scale)
 
 
 def _tensor_shapes(weights_file: Path) -> dict[str, tuple[int, ...]]:

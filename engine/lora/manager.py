@@ -32,7 +32,6 @@ ADAPTED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config, max_cpu_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
-        self.model = model
         self.hf_config = hf_config
         self.max_cpu_loras = max_cpu_loras
         self.max_rank = max_rank
@@ -48,15 +47,15 @@ class LoRAModelManager:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no linears LoRA "
                              "adapters target here")
         self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()  # oldest use first
-        self.num_loads = 0
 
-    def _target(self, module_path: str) -> tuple[Linear, int]:
-        """A checkpoint module path -> (this model's linear, piece index)."""
+    def _target(self, module_path: str) -> tuple[str, int]:
+        """A checkpoint module path -> (this model's linear, piece index). Example:
+        'model.layers.0.self_attn.k_proj' -> ('model.layers.0.self_attn.qkv_proj', 1)."""
         if module_path in self.linears:
-            return self.linears[module_path], 0
+            return module_path, 0
         parent, _, leaf = module_path.rpartition(".")
         merged, piece = MERGED_PIECES[leaf]
-        return self.linears[f"{parent}.{merged}"], piece
+        return f"{parent}.{merged}", piece
 
     def activate(self, requests: list[LoRARequest], in_use: set[int]) -> None:
         """Load the adapters of `requests` not loaded yet; mark them used; drop the least
@@ -77,14 +76,11 @@ class LoRAModelManager:
         info = check_adapter(request.path, self.hf_config, self.max_rank)
         by_linear: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module_path, pair in read_adapter(info, self.dtype, self.device).items():
-            linear, piece = self._target(module_path)
-            by_linear.setdefault(id(linear), {})[piece] = pair
-        for linear in self.linears.values():
-            weights = by_linear.get(id(linear))
-            if weights:
-                linear.lora.set_adapter(request.lora_id, weights)
+            name, piece = self._target(module_path)
+            by_linear.setdefault(name, {})[piece] = pair
+        for name, weights in by_linear.items():
+            self.linears[name].lora.set_adapter(request.lora_id, weights)
         self.loaded[request.lora_id] = request
-        self.num_loads += 1
 
     def unload(self, lora_id: int) -> None:
         for linear in self.linears.values():
@@ -98,7 +94,7 @@ class LoRAModelManager:
         ids = ids[ids != 0]
         if len(ids) == 0:
             return None
-        if len(ids) == 1 and token_lora_ids[0] == ids[0] and (token_lora_ids == ids[0]).all():
+        if len(ids) == 1 and (token_lora_ids == ids[0]).all():
             return LoRAMapping([(int(ids[0]), None)])
         return LoRAMapping([
             (int(i), torch.from_numpy(np.flatnonzero(token_lora_ids == i)).to(self.device))

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any
 
-from engine.lora.checkpoint import AdapterError, check_adapter
+from engine.lora.checkpoint import check_adapter
 from engine.lora_request import LoRARequest
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch, honoured as is
@@ -75,5 +75,3 @@ class LoRAAdapters:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-
-__all__ = ["AdapterError", "LoRAAdapters", "parse_lora_module", "runtime_updating_allowed"]

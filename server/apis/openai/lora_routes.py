@@ -8,8 +8,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from engine.lora.checkpoint import AdapterError
 from server.common.errors import APIError
-from server.common.lora import AdapterError
 from server.common.state import ServerState
 
 

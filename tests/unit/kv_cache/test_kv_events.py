@@ -76,8 +76,11 @@ def test_a_cache_salt_is_the_first_blocks_extra_key():
 def test_wire_hashes_are_the_digests_last_8_bytes_or_the_digest(monkeypatch):
     digest = bytes(24) + (300).to_bytes(8, "big")
     assert wire_hash(digest) == 300
+    assert wire_hash(digest, as_bytes=True) == digest
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    assert wire_hash(digest) == digest
+    log = KVEventLog(16)  # reads the switch once
+    log.removed(digest)
+    assert log.take()[0].block_hashes == [digest]
 
 
 def test_the_wire_format_is_vllms():
