@@ -1,6 +1,7 @@
 """The LoRA adapters a server offers under their own model names (issue 44).
 
-    pagedserve serve --enable-lora --lora-modules sql=/adapters/sql '{"name": "chat", "path": "/a/chat"}'
+    pagedserve serve --enable-lora --lora-modules 'sql=/adapters/sql chat=/adapters/chat'
+    pagedserve serve --enable-lora --lora-modules '[{"name": "chat", "path": "/a/chat"}]'
     POST /v1/load_lora_adapter {"lora_name": "sql2", "lora_path": "/adapters/sql2"}
     POST /v1/unload_lora_adapter {"lora_name": "sql2"}
 
@@ -43,6 +44,22 @@ def parse_lora_module(text: str) -> dict[str, str]:
     return {"name": name, "path": path}
 
 
+def lora_modules_list(text: str) -> list[str]:
+    """--lora-modules' value -> one entry per adapter: a JSON list of entries, one JSON
+    object, or name=path entries separated by spaces. Example:
+    'sql=/a/sql chat=/a/chat' -> ['sql=/a/sql', 'chat=/a/chat'];
+    '{"name": "chat", "path": "/a/chat"}' -> that one object (its spaces kept)."""
+    text = text.strip()
+    if text.startswith("["):
+        entries = json.loads(text)
+        if not isinstance(entries, list):
+            raise ValueError(f"--lora-modules {text!r}: expected a JSON list")
+        return [e if isinstance(e, str) else json.dumps(e) for e in entries]
+    if text.startswith("{"):
+        return [text]
+    return text.split()
+
+
 class LoRAAdapters:
     """Name -> LoRARequest of the adapters served; `hf_config` is the base's (shapes)."""
 
@@ -53,10 +70,11 @@ class LoRAAdapters:
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """Check and offer the adapter at `path` as `name`; AdapterError (a 400) if the
-        base cannot run it, ValueError if the name is taken."""
-        if name in self._by_name or name in self.base_names:
+        base cannot run it, ValueError if the name is taken (an adapter's name, with
+        `replace`, is not: once the new one passed its check, it takes the name)."""
+        if name in self.base_names or (name in self._by_name and not replace):
             raise ValueError(f"The model name {name!r} is already in use.")
         check_adapter(path, self.hf_config, self.max_rank)
         request = LoRARequest(name, next(self._ids), path)

@@ -67,7 +67,12 @@ from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
 from server.chat.tool_parsers import TOOL_CALL_PARSERS, parser_for_model_type
 from server.common.lifecycle import ServerLimits
-from server.common.lora import LoRAAdapters, parse_lora_module, runtime_updating_allowed
+from server.common.lora import (
+    LoRAAdapters,
+    lora_modules_list,
+    parse_lora_module,
+    runtime_updating_allowed,
+)
 from server.common.metrics import ServerMetrics
 from server.common.state import ServerState, XrayOptions
 from server.http.app import build_app
@@ -119,10 +124,9 @@ class ServeOptions:
         "...), or 'both'.", group="observability", choices=("both", "pagedserve", "vllm"))
     lora_modules: list[str] = option(
         None, "--lora-modules", "LoRA adapters to serve (with --enable-lora), each under its "
-        "own model name: 'name=path' or JSON '{\"name\": ..., \"path\": ...}', several "
-        "comma-free values separated by spaces in one quoted value or the flag repeated as "
-        "one JSON list. Example: --lora-modules 'sql=/a/sql chat=/a/chat'.", group="lora",
-        type=lambda text: text.split(), default_factory=list)
+        "own model name: name=path entries separated by spaces ('sql=/a/sql chat=/a/chat'), "
+        "vLLM's JSON object '{\"name\": \"chat\", \"path\": \"/a/chat\"}', or a JSON "
+        "list of either.", group="lora", type=lora_modules_list, default_factory=list)
     allow_runtime_lora_updating: bool = option(
         False, "--allow-runtime-lora-updating", "Serve POST /v1/load_lora_adapter and "
         "/v1/unload_lora_adapter (also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, "

@@ -32,10 +32,8 @@ def install_lora_routes(app: FastAPI, state: ServerState, auth: list) -> None:
 
     @app.post("/v1/load_lora_adapter", dependencies=auth, response_class=PlainTextResponse)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> str:
-        if body.load_inplace:
-            adapters.remove(body.lora_name)
         try:
-            adapters.add(body.lora_name, body.lora_path)
+            adapters.add(body.lora_name, body.lora_path, replace=body.load_inplace)
         except AdapterError as exc:
             raise APIError(400, str(exc), "lora_path", "invalid_lora_adapter") from None
         except ValueError as exc:
