@@ -127,6 +127,10 @@ class Scheduler:
                 f"a pooling prompt of {request.num_prompt_tokens} tokens exceeds "
                 f"max_num_batched_tokens {self.config.max_num_batched_tokens} (it is "
                 "computed in one step)")
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError(f"request {request.req_id!r} names LoRA adapter "
+                             f"{request.lora_request.name!r}, but adapters need --enable-lora "
+                             "(it would wait for an adapter slot forever)")
         # A request can grow to max_model_len, and never beyond the whole KV cache
         # (only a test-sized cache is smaller than max_model_len): past that it could
         # only preempt itself forever.

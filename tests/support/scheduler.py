@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.lora_request import LoRARequest
 from engine.outputs import EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, Request
 from engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -40,6 +42,7 @@ def make_scheduler(
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
+        max_loras=max_loras,
     )
 
 
@@ -51,6 +54,7 @@ def add(
     priority: int = 0,
     arrival_time: float | None = None,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
     **params,
 ) -> Request:
     """Queue a request; an int prompt means that many distinct tokens."""
@@ -59,7 +63,8 @@ def add(
         prompt = list(range(start, start + prompt))
     params.setdefault("max_tokens", 100)
     core = EngineCoreRequest(req_id, prompt, SamplingParams(**params), eos_token_id=EOS,
-                             priority=priority, cache_salt=cache_salt)
+                             priority=priority, cache_salt=cache_salt,
+                             lora_request=lora_request)
     if arrival_time is not None:
         core.arrival_time = arrival_time
     return scheduler.add_request(core)
