@@ -113,6 +113,10 @@ class SchedulerStats:
     # Proposed draft tokens cut before verification because the request's grammar refused
     # them (structured outputs with speculation).
     spec_num_grammar_cut_tokens: int = 0
+    # --enable-lora: adapter name -> its requests running / waiting now (vLLM's
+    # running_lora_adapters / waiting_lora_adapters; the base's requests are not counted).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

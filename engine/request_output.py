@@ -93,6 +93,7 @@ class RequestOutput:
     prompt_logprobs: list[SampleLogprob | None] | None = None
     # A pooling request's vector (engine.pooling_params), once finished; else None.
     pooled: list[float] | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran under (None: the base)
 
     @property
     def num_prompt_tokens(self) -> int:

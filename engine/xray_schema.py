@@ -63,6 +63,8 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     num_blocks_by_group: list[int] | None = None
     # A pooling request (embeddings, scores): prefill only, it pools instead of sampling.
     pooling: bool = False
+    # The LoRA adapter it runs under (--enable-lora); absent for the base model.
+    lora_name: str | None = None
     # The API that sent it ("openai_chat", "anthropic_messages", ...: server/common/api_label.py),
     # filled by the frontend from the request id; absent for ids no API route made.
     api: str | None = None

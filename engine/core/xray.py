@@ -250,6 +250,7 @@ def _request(request: Request, manager, now: float, max_block_ids: int,
         num_blocks_by_group=(manager.num_blocks_held(request.req_id)
                              if manager.num_groups > 1 else None),
         pooling=request.pooling_params is not None,
+        lora_name=request.lora_request.name if request.lora_request is not None else None,
     )
 
 

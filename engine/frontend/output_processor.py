@@ -69,6 +69,8 @@ class RequestState:
         self.sequences = sequences
         self.metrics = RequestMetrics(arrival_time=processed.arrival_time)
         self.num_cached_tokens = 0
+        lora = processed.core_requests[0].lora_request if processed.core_requests else None
+        self.lora_name = lora.name if lora is not None else None
         self.prompt_logprobs: list[SampleLogprob | None] | None = (
             [None] if processed.params.prompt_logprobs is not None else None
         )
@@ -214,6 +216,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,
             pooled=state.pooled,
+            lora_name=state.lora_name,
         )
 
     @staticmethod
@@ -234,5 +237,5 @@ class OutputProcessor:
         return RequestOutput(
             req_id=state.req_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=state.finished, metrics=dataclasses.replace(state.metrics),
-            num_cached_tokens=state.num_cached_tokens,
+            num_cached_tokens=state.num_cached_tokens, lora_name=state.lora_name,
         )

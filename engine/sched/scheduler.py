@@ -805,6 +805,9 @@ class Scheduler:
             num_preemptions=self._num_preemptions_since_stats,
         )
         self._num_preemptions_since_stats = 0
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters(self.waiting)
         if self.structured_output is not None:
             stats.grammar_compile_seconds = self.structured_output.take_compile_seconds()
         if self.speculator is not None:
@@ -818,6 +821,16 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    """Adapter name -> how many of `requests` run under it (the base's are left out)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 @dataclass

@@ -44,6 +44,7 @@ class ChatRun:
     plan: ToolPlan
     num_top: int  # top logprobs per token (0: none)
     num_prompt_tokens: int
+    model_name: str  # what the response's `model` says (ServerState.response_model)
 
     def parser(self, state: ServerState) -> ChoiceParser:
         """A fresh parser of one choice (reasoning, tool calls; plain text passes through)."""
@@ -105,4 +106,5 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
                                          priority=body.priority, cache_salt=body.cache_salt,
                                          lora_request=state.lora_request(body.model))
-    return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids))
+    return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids),
+                   state.response_model(body.model))

@@ -50,7 +50,6 @@ same labels, so each exposes the same series).
 from __future__ import annotations
 
 import re
-import time
 
 import prometheus_client
 from prometheus_client import (
@@ -130,12 +129,15 @@ def failure_reason(exc: BaseException) -> str | None:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, multiprocess: bool = False, names: str = "both"):
+    def __init__(self, model_name: str, multiprocess: bool = False, names: str = "both",
+                 max_loras: int = 0):
         """`multiprocess`: one of several API server processes (see the module doc);
         needs PROMETHEUS_MULTIPROC_DIR in the environment before prometheus_client
-        is imported. `names`: "pagedserve", "vllm" or "both" (--metrics-names)."""
+        is imported. `names`: "pagedserve", "vllm" or "both" (--metrics-names).
+        `max_loras`: --max-loras with --enable-lora, else 0 (lora_requests_info)."""
         self.model_name = model_name
         self.names = names
+        self.max_loras = max_loras
         self.registry = CollectorRegistry()  # what /metrics renders
         labels = ["model_name"]
         # The registry the metrics join: with several processes their values live in
@@ -251,6 +253,28 @@ class ServerMetrics:
         self.embedding_request_time = histogram(
             "embedding_request_seconds", "Time from an embedding request's admission to its "
             "vectors (all of its inputs).", TOKEN_LATENCY_BUCKETS_S)
+        # ------------------------------------------------------------ LoRA adapters
+        # vLLM's info gauge: the adapters with requests running / waiting now as
+        # comma-separated label values, the value the time of the last step (routers
+        # such as llm-d's endpoint picker read the newest series). One series at a time
+        # here; with several API server processes an earlier one can linger, so the
+        # newest value is the one to read.
+        self._lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "LoRA adapters of the running and waiting requests (labels); the value is "
+            "the time they were seen.",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r, **gauge_kwargs)
+        self._lora_info_labels: tuple[str, ...] | None = None
+        self._set_lora_info({}, {})
+        self._lora_requests = Counter(
+            PREFIX + "lora_adapter_requests_total",
+            "Requests the engine finished under each LoRA adapter (any finish reason).",
+            ["model_name", "lora_name"], registry=r)
+        self._lora_generation_tokens = Counter(
+            PREFIX + "lora_adapter_generation_tokens_total",
+            "Tokens generated under each LoRA adapter (counted when its request finishes).",
+            ["model_name", "lora_name"], registry=r)
         # ------------------------------------------------------------ per API
         self._api_requests = Counter(
             PREFIX + "api_requests_total",
@@ -323,6 +347,19 @@ class ServerMetrics:
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)
+        if self.max_loras:
+            self._set_lora_info(stats.running_lora_adapters, stats.waiting_lora_adapters)
+
+    def _set_lora_info(self, running: dict[str, int], waiting: dict[str, int]) -> None:
+        """lora_requests_info's one series: these adapters, stamped now. Example:
+        running {"a": 2, "b": 1}, waiting {} -> {max_lora="2",running_lora_adapters="a,b",
+        waiting_lora_adapters=""} 1733318400.0."""
+        labels = (self.model_name, str(self.max_loras), ",".join(sorted(running)),
+                  ",".join(sorted(waiting)))
+        if self._lora_info_labels not in (None, labels):
+            self._lora_info.remove(*self._lora_info_labels)
+        self._lora_info_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def _on_spec_decode(self, stats: SchedulerStats) -> None:
         self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
@@ -349,6 +386,10 @@ class ServerMetrics:
             self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
             if m.first_scheduled_time is not None:
                 self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if output.lora_name is not None:
+            self._lora_requests.labels(self.model_name, output.lora_name).inc()
+            self._lora_generation_tokens.labels(self.model_name, output.lora_name).inc(
+                output.num_generation_tokens)
         if error is not None:
             self.request_failure["engine_error"].inc()
             return
@@ -414,7 +455,7 @@ class ServerMetrics:
         names, vLLM's (`vllm:*`, see with_vllm_names) or both (--metrics-names)."""
         text = generate_latest(self.registry).decode()
         if self.names != "pagedserve":
-            text = with_vllm_names(text, self.model_name, keep_ours=self.names == "both")
+            text = with_vllm_names(text, keep_ours=self.names == "both")
         return text.encode(), CONTENT_TYPE_PLAIN_0_0_4
 
 
@@ -430,7 +471,7 @@ VLLM_FAMILIES = frozenset({
     "request_generation_tokens", "request_time_per_output_token_seconds",
     "iteration_tokens_total", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
-    "cache_config",
+    "cache_config", "lora_requests",
 })
 _SAMPLE_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_info", "")
 _NUM_BLOCKS_LABEL = re.compile(r'num_blocks="(\d*)"')
@@ -449,11 +490,10 @@ def _vllm_family(name: str) -> str | None:
     return None
 
 
-def with_vllm_names(text: str, model_name: str, keep_ours: bool = True) -> str:
+def with_vllm_names(text: str, keep_ours: bool = True) -> str:
     """An exposition with each VLLM_FAMILIES family also (or, without `keep_ours`, only)
     under `vllm:`, the same values; `vllm:cache_config_info` also carries vLLM's
-    num_gpu_blocks label, and `vllm:lora_requests_info` says no adapters are loaded
-    (max_lora 0). Example: `pagedserve:num_requests_waiting{model_name="m"} 3.0` ->
+    num_gpu_blocks label. Example: `pagedserve:num_requests_waiting{model_name="m"} 3.0` ->
     that line and `vllm:num_requests_waiting{model_name="m"} 3.0`."""
     ours, theirs = [], []
     for line in text.splitlines():
@@ -469,10 +509,6 @@ def with_vllm_names(text: str, model_name: str, keep_ours: bool = True) -> str:
             copy = _NUM_BLOCKS_LABEL.sub(lambda m: f'{m.group(0)},num_gpu_blocks="{m.group(1)}"',
                                          copy, count=1)
         theirs.append(copy)
-    lora = (f'vllm:lora_requests_info{{max_lora="0",model_name="{model_name}",'
-            f'running_lora_adapters="",waiting_lora_adapters=""}} {time.time():.1f}')
-    theirs += ["# HELP vllm:lora_requests_info Running stats on LoRA requests (none: no "
-               "adapters are loaded).", "# TYPE vllm:lora_requests_info gauge", lora]
     return "\n".join(ours + theirs) + "\n"
 
 

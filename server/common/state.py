@@ -84,8 +84,13 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        """The name responses carry."""
+        """The base model's name: what responses of base requests carry."""
         return self.served_model_names[0]
+
+    def response_model(self, model: str | None) -> str:
+        """The name a response to a request for `model` carries: the adapter's own name
+        for a LoRA adapter (as vLLM answers), else the base's first served name."""
+        return model if self.lora_request(model) is not None else self.model_name
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base)."""

@@ -361,9 +361,12 @@ class APIServer:
             except BaseException:
                 client.shutdown()
                 raise
+            lora_config = self.engine_config.lora_config
             metrics = ServerMetrics(self.served_model_names[0],
                                     multiprocess=self.shared_core is not None,
-                                    names=options.metrics_names)
+                                    names=options.metrics_names,
+                                    max_loras=lora_config.max_loras if lora_config.enable_lora
+                                    else 0)
             engine = AsyncEngine.from_client(client, resources.tokenizer,
                                              eos_token_id=resources.eos_token_id,
                                              observer=metrics)

@@ -12,6 +12,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.lora_request import LoRARequest
+from engine.request import EngineCoreRequest
+from engine.xray_schema import XrayLimits
 from tests.support.correctness import count_preemptions
 from tests.support.hf_reference import assert_greedy_matches
 from tests.support.lora_fixtures import ADAPTER_SPECS, build_adapter, peft_greedy_reference
@@ -95,6 +97,16 @@ def test_the_same_prompt_under_two_adapters_shares_no_block(case):
     same = llm.generate([prompts[3]], GREEDY, use_tqdm=False, lora_request=requests["a4"])
     assert other[0].num_cached_tokens == 0 and base_out[0].num_cached_tokens == 0
     assert same[0].num_cached_tokens > 0
+    # The x-ray names each request's adapter.
+    core = llm.engine_core
+    core.add_request(EngineCoreRequest("under-b8", prompts[0], GREEDY,
+                                       lora_request=requests["b8"]))
+    core.add_request(EngineCoreRequest("base", prompts[1], GREEDY))
+    snapshot = core.xray_snapshot(XrayLimits())
+    assert {r.req_id: r.lora_name for r in [*snapshot.running, *snapshot.waiting]} == \
+        {"under-b8": "b8", "base": None}
+    while core.has_unfinished_requests():
+        core.step()
 
 
 def test_an_adapter_over_the_rank_limit_is_refused(case):

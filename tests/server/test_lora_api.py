@@ -69,11 +69,44 @@ def test_models_lists_adapters_with_their_parent(server, case):
     cards = {m.id: m for m in client.models.list().data}
     assert {"tiny", "a4", "b8"} <= set(cards)
     assert cards["a4"].parent == "tiny" and cards["a4"].root == str(case[1]["a4"])
-    chat = client.chat.completions.create(model="b8", max_tokens=4,
-                                          messages=[{"role": "user", "content": "hi"}])
-    # Responses carry the base's name (vLLM's carry the adapter's: not done yet).
-    assert chat.model == "tiny"
-    assert chat.usage.completion_tokens >= 1
+
+
+def test_responses_carry_the_adapters_name_on_every_api(server):
+    """As vLLM answers: a response to a request for an adapter names the adapter."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    hi = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="b8", max_tokens=4, messages=hi)
+    assert chat.model == "b8" and chat.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model="b8", max_tokens=4, messages=hi,
+                                                 stream=True))
+    assert chunks and {c.model for c in chunks} == {"b8"}
+    assert client.completions.create(model="a4", prompt="hi", max_tokens=2).model == "a4"
+    assert {c.model for c in client.completions.create(
+        model="a4", prompt="hi", max_tokens=2, stream=True)} == {"a4"}
+    assert client.responses.create(model="b8", input="hi", max_output_tokens=4).model == "b8"
+    message = anthropic.Anthropic(base_url=server.url, api_key="x").messages.create(
+        model="a4", max_tokens=4, messages=hi)
+    assert message.model == "a4"
+    assert client.chat.completions.create(model="tiny", max_tokens=2,
+                                          messages=hi).model == "tiny"
+
+
+def test_metrics_count_requests_per_adapter(server):
+    from tests.support.metrics import parse
+
+    def scrape() -> dict:
+        return parse(httpx.get(server.url + "/metrics").text)[0]
+
+    key = (("lora_name", "b8"), ("model_name", "tiny"))
+    before = scrape().get(("pagedserve:lora_adapter_requests_total", key), 0)
+    completion_text(server, "b8")
+    samples = scrape()
+    assert samples[("pagedserve:lora_adapter_requests_total", key)] == before + 1
+    assert samples[("pagedserve:lora_adapter_generation_tokens_total", key)] >= NUM_NEW
+    info = [dict(ls) for (n, ls) in samples if n == "vllm:lora_requests_info"]
+    assert len(info) == 1 and info[0]["max_lora"] == "2"
 
 
 def test_an_unknown_model_is_a_404(server):

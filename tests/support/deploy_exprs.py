@@ -69,7 +69,16 @@ METRICS: dict[str, str] = {
     "pagedserve:spec_decode_num_accepted_tokens_total": "counter",
     "pagedserve:spec_decode_num_grammar_cut_tokens_total": "counter",
     "pagedserve:spec_decode_num_accepted_tokens_per_pos_total": "counter",
+    "pagedserve:lora_requests_info": "gauge",
+    "pagedserve:lora_adapter_requests_total": "counter",
+    "pagedserve:lora_adapter_generation_tokens_total": "counter",
 }
+# Families with a label whose values are not known in advance (the adapter's name): no
+# series until the first request under one finishes.
+ON_DEMAND: frozenset[str] = frozenset({
+    "pagedserve:lora_adapter_requests_total",
+    "pagedserve:lora_adapter_generation_tokens_total",
+})
 # Label values the server documents for its labelled counters.
 LABEL_VALUES: dict[tuple[str, str], frozenset[str]] = {
     ("pagedserve:request_success_total", "finished_reason"): frozenset({"stop", "length", "abort"}),

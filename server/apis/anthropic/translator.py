@@ -210,7 +210,7 @@ class MessagesTranslator(OneTurnTranslator):
     def response(self, run: ChatRun, turn: Turn) -> AnthropicMessageResponse:
         stop_reason, stop_sequence = _stop(turn.finish_reason, turn.stop_reason)
         return AnthropicMessageResponse(
-            id=run.request_id, model=self.state.model_name, content=_content(turn),
+            id=run.request_id, model=run.model_name, content=_content(turn),
             stop_reason=stop_reason, stop_sequence=stop_sequence, usage=_usage(turn.usage))
 
     def error_event(self, error: APIError) -> str:
@@ -220,7 +220,7 @@ class MessagesTranslator(OneTurnTranslator):
     async def events(self, run: ChatRun, stream: TurnStream) -> AsyncIterator[str]:
         yield event("message_start", {"message": {
             "id": run.request_id, "type": "message", "role": "assistant",
-            "model": self.state.model_name, "content": [], "stop_reason": None,
+            "model": run.model_name, "content": [], "stop_reason": None,
             "stop_sequence": None,
             "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0}}})
         yield event("ping", {})

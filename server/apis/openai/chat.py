@@ -84,7 +84,7 @@ class ChatCompletionsTranslator(Translator):
         usage = make_usage([final])
         record_usage(raw_request, usage)
         return ChatCompletionResponse(id=run.request_id, created=run.created,
-                                      model=state.model_name, choices=choices, usage=usage)
+                                      model=run.model_name, choices=choices, usage=usage)
 
     def stream(self, run: ChatRun, raw_request: Request) -> AsyncIterator[str]:
         state, body = self.state, self.body
@@ -126,7 +126,7 @@ async def _chunks(
     A choice with a parser (tools, reasoning) sends what its parser lets out: text it
     holds back (a possible tag, an open tool call) comes with a later chunk.
     """
-    writer = ChatChunkWriter(request_id, created, state.model_name)
+    writer = ChatChunkWriter(request_id, created, state.response_model(body.model))
     chunk = writer.choices
 
     finish_sent = [False] * body.n

@@ -142,7 +142,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw_req
             ))
     usage = make_usage(finals)
     record_usage(raw_request, usage)
-    return CompletionResponse(id=request_id, created=created, model=state.model_name,
+    return CompletionResponse(id=request_id, created=created, model=state.response_model(body.model),
                               choices=choices, usage=usage)
 
 
@@ -194,7 +194,7 @@ async def _chunks(
     echo_pending = [body.echo] * num_choices
     offsets = [0] * num_choices
 
-    writer = CompletionChunkWriter(request_id, created, state.model_name)
+    writer = CompletionChunkWriter(request_id, created, state.response_model(body.model))
 
     async with contextlib.aclosing(merge_streams(active.streams)) as merged:
         async for p, request_output in merged:

@@ -59,7 +59,7 @@ def usage_chunk_for(body: SamplingFields, response_type: type, state: ServerStat
         return None
 
     def chunk(usage: UsageInfo) -> str:
-        return sse(response_type(id=request_id, created=created, model=state.model_name,
+        return sse(response_type(id=request_id, created=created, model=state.response_model(body.model),
                                  choices=[], usage=usage).model_dump_json())
     return chunk
 

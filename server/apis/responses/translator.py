@@ -225,7 +225,7 @@ class _Response:
             incomplete_details=({"reason": "max_output_tokens"} if status == "incomplete"
                                 else None),
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
-            model=self.state.model_name, output=output,
+            model=self.run.model_name, output=output,
             parallel_tool_calls=body.parallel_tool_calls is not False,
             previous_response_id=body.previous_response_id,
             reasoning=body.reasoning.model_dump() if body.reasoning else None,

@@ -21,6 +21,10 @@ def test_a_third_adapter_waits_for_a_slot_and_keeps_its_place():
     assert set(output.num_scheduled_tokens) == {"a", "b", "base", "a2"}
     assert [r.req_id for r in scheduler.waiting] == ["c"]
     assert {new.lora_request for new in output.scheduled_new_reqs} == {A, B, None}
+    # The step stats name them as vLLM's lora_requests_info does (the base is not counted).
+    stats = scheduler.make_stats()
+    assert stats.running_lora_adapters == {"a": 2, "b": 1}
+    assert stats.waiting_lora_adapters == {"c": 1}
 
 
 def test_the_waiting_adapter_runs_once_a_slot_frees():
