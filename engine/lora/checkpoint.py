@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters on disk: `adapter_config.json` + `adapter_model.safetensors`.
+"""LoRA adapters on disk: PEFT's `adapter_config.json` + `adapter_model.safetensors`
+(below), or llama.cpp's LoRA GGUF (engine/lora/gguf_adapter.py).
 
     {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "use_rslora": false}
     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight   [r, in]
@@ -18,6 +19,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.lora.gguf_adapter import (
+    gguf_adapter_shapes,
+    is_gguf_adapter,
+    open_gguf_adapter,
+    read_gguf_adapter,
+)
 
 if TYPE_CHECKING:  # the HTTP frontend checks adapters without loading torch
     import torch
@@ -78,9 +86,12 @@ def module_of(key: str) -> tuple[str, str] | None:
 
 
 def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
-    """The adapter at `path` if the base described by `hf_config` can run it; raises
+    """The adapter at `path` (a PEFT directory, or a llama.cpp LoRA GGUF file:
+    engine/lora/gguf_adapter.py) if the base described by `hf_config` can run it; raises
     AdapterError naming the problem (missing file, rank over `max_rank`, a module the
     server does not adapt, a shape that does not fit the base)."""
+    if is_gguf_adapter(path):
+        return _check_gguf_adapter(path, hf_config, max_rank)
     config_file, weights_file = _files(path)
     try:
         config = json.loads(config_file.read_text())
@@ -90,10 +101,7 @@ def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
         raise AdapterError(f"LoRA adapter {path!r}: peft_type {config['peft_type']!r} "
                            "is not LORA")
     rank = int(config.get("r", 0))
-    if not 0 < rank <= max_rank:
-        raise AdapterError(f"LoRA adapter {path!r}: rank {rank} is over --max-lora-rank "
-                           f"{max_rank}" if rank > max_rank else
-                           f"LoRA adapter {path!r}: rank {rank} must be positive")
+    _check_rank(path, rank, max_rank)
     for unsupported in ("modules_to_save", "layers_to_transform", "rank_pattern",
                         "alpha_pattern"):
         if config.get(unsupported):
@@ -105,13 +113,45 @@ def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
                            f"{config['bias']!r}) are not supported")
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    num_tensors = 0
+    tensors = []
     for key, shape in _tensor_shapes(weights_file).items():
         found = module_of(key)
         if found is None:
             raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} is not a LoRA "
                                "A/B matrix")
-        module, part = found
+        tensors.append((key, *found, shape))
+    _check_shapes(path, hf_config, rank, tensors)
+    return AdapterInfo(path, rank, scale)
+
+
+def _check_gguf_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
+    try:
+        gguf, alpha = open_gguf_adapter(path, hf_config)
+        shapes = gguf_adapter_shapes(gguf)
+    except ValueError as exc:
+        raise AdapterError(f"LoRA adapter {path!r}: {exc}") from None
+    ranks = {shape[0] for _, part, shape in shapes.values() if part == "lora_A"}
+    if len(ranks) > 1:
+        raise AdapterError(f"LoRA adapter {path!r}: ranks {sorted(ranks)} differ between "
+                           "modules (one rank per adapter is supported)")
+    rank = ranks.pop() if ranks else 0
+    _check_rank(path, rank, max_rank)
+    _check_shapes(path, hf_config, rank,
+                  [(key, module, part, shape) for key, (module, part, shape) in shapes.items()])
+    return AdapterInfo(path, rank, alpha / rank if alpha else 1.0)  # llama.cpp's scale
+
+
+def _check_rank(path: str, rank: int, max_rank: int) -> None:
+    if not 0 < rank <= max_rank:
+        raise AdapterError(f"LoRA adapter {path!r}: rank {rank} is over --max-lora-rank "
+                           f"{max_rank}" if rank > max_rank else
+                           f"LoRA adapter {path!r}: rank {rank} must be positive")
+
+
+def _check_shapes(path: str, hf_config: Any, rank: int,
+                  tensors: list[tuple[str, str, str, tuple[int, ...]]]) -> None:
+    """Each (key, base module path, "lora_A" | "lora_B", shape) fits the base."""
+    for key, module, part, shape in tensors:
         target = module.rsplit(".", 1)[-1]
         if target not in SUPPORTED_TARGETS:
             raise AdapterError(f"LoRA adapter {path!r}: module {target!r} is not one "
@@ -122,13 +162,11 @@ def check_adapter(path: str, hf_config: Any, max_rank: int) -> AdapterInfo:
                                "the base model")
         out, inp = _base_out_in(hf_config, target)
         want = (rank, inp) if part == "lora_A" else (out, rank)
-        if shape != want:
+        if tuple(shape) != want:
             raise AdapterError(f"LoRA adapter {path!r}: {key} is {list(shape)}, the base "
                                f"needs {list(want)} (an adapter of another model?)")
-        num_tensors += 1
-    if not num_tensors:
+    if not tensors:
         raise AdapterError(f"LoRA adapter {path!r}: no LoRA weights")
-    return AdapterInfo(path, rank, scale)
 
 
 def _tensor_shapes(weights_file: Path) -> dict[str, tuple[int, ...]]:
@@ -155,17 +193,18 @@ def _layer_index(module: str) -> int | None:
     return None
 
 
-def read_adapter(info: AdapterInfo, dtype: torch.dtype, device: torch.device
+def read_adapter(info: AdapterInfo, hf_config: Any, dtype: torch.dtype, device: torch.device
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Base module path -> (A [r, in], scale * B [out, r]) in `dtype` on `device`."""
-    from safetensors.torch import load_file
+    if is_gguf_adapter(info.path):
+        pairs = read_gguf_adapter(open_gguf_adapter(info.path, hf_config)[0], hf_config)
+    else:
+        from safetensors.torch import load_file
 
-    _, weights_file = _files(info.path)
-    tensors = load_file(str(weights_file))
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        module, part = module_of(key)
-        pairs.setdefault(module, {})[part] = tensor
+        pairs = {}
+        for key, tensor in load_file(str(_files(info.path)[1])).items():
+            module, part = module_of(key)
+            pairs.setdefault(module, {})[part] = tensor
     out = {}
     for module, pair in pairs.items():
         if set(pair) != {"lora_A", "lora_B"}:

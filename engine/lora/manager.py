@@ -75,7 +75,7 @@ class LoRAModelManager:
     def _load(self, request: LoRARequest) -> None:
         info = check_adapter(request.path, self.hf_config, self.max_rank)
         by_linear: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for module_path, pair in read_adapter(info, self.dtype, self.device).items():
+        for module_path, pair in read_adapter(info, self.hf_config, self.dtype, self.device).items():
             name, piece = self._target(module_path)
             by_linear.setdefault(name, {})[piece] = pair
         for name, weights in by_linear.items():

@@ -440,25 +440,28 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     "{expert}" for the caller to fill: `model.layers.3.mlp.experts.{expert}.up_proj.weight`.
     Raises UnsupportedGGUFError for a tensor the architectures here have no place for.
     """
-    layer_names = {**_LAYER_NAMES,
-                   **_ARCH_LAYER_NAMES.get(gguf.get("general.architecture"), {})}
+    architecture = gguf.get("general.architecture")
     for name in gguf.tensors:
-        if name in _SETTING_TENSORS:
-            continue
-        if name in _GLOBAL_NAMES:
-            yield name, _GLOBAL_NAMES[name]
-            continue
-        match = _LAYER_TENSOR.match(name)
-        if match is None:
-            raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
-        layer, kind, leaf = match.groups()
-        prefix = f"model.layers.{layer}"
-        if kind in _EXPERT_NAMES:
-            yield name, f"{prefix}.mlp.experts.{{expert}}.{_EXPERT_NAMES[kind]}.{leaf}"
-        elif kind in layer_names:
-            yield name, f"{prefix}.{layer_names[kind]}.{leaf}"
-        else:
-            raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
+        if name not in _SETTING_TENSORS:
+            yield name, hf_tensor_name(name, architecture)
+
+
+def hf_tensor_name(name: str, architecture: str | None) -> str:
+    """One GGUF tensor's HF checkpoint name (see hf_tensor_names). Example, llama:
+    'blk.3.attn_k.weight' -> 'model.layers.3.self_attn.k_proj.weight'."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.match(name)
+    if match is None:
+        raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
+    layer, kind, leaf = match.groups()
+    prefix = f"model.layers.{layer}"
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(architecture, {})}
+    if kind in _EXPERT_NAMES:
+        return f"{prefix}.mlp.experts.{{expert}}.{_EXPERT_NAMES[kind]}.{leaf}"
+    if kind in layer_names:
+        return f"{prefix}.{layer_names[kind]}.{leaf}"
+    raise UnsupportedGGUFError(f"unsupported GGUF tensor {name!r}")
 
 
 def has_rotary_permutation(gguf: GGUFFile, gguf_name: str) -> bool:

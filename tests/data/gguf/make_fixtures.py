@@ -140,6 +140,10 @@ byte-level BPE tokenizer, ChatML template). Regenerate (needs
 
     .venv/bin/python tests/data/gguf/make_fixtures.py
 
+A LoRA adapter, made by `make_lora_fixture.py` (llama.cpp's `convert_lora_to_gguf.py
+--outtype f16`): `tiny-llama-lora-b8-F16.gguf`, from the random PEFT adapter kept beside
+it in `tiny-llama-lora-b8/` (rank 8, alpha 16, every linear of `tiny-llama`).
+
 Models (2 layers, hidden 256, 4 query heads, 2 KV heads, vocab 512 of which the tokenizer
 fills {vocab_used} (the rest are `[PAD...]` tokens), untied embeddings; every tensor row length
 a multiple of 256 except where noted):
