@@ -70,6 +70,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Model name sent in requests. Default: the first id from GET /v1/models.",
     )
     g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapter names the server serves (its --lora-modules): request i names "
+        "adapter i mod N (an even spread; vLLM's bench picks one at random), warm-ups too. "
+        "Overrides --model.",
+    )
+    g.add_argument(
         "--api-key", default=None, help="Bearer token. Default: $OPENAI_API_KEY if set, else none."
     )
     g.add_argument(
@@ -509,11 +518,13 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
         if args.wait_for_server > 0:
             await wait_for_server(client, root, headers, args.wait_for_server)
         model = args.model or await fetch_model_id(client, root, headers)
+        # The model each request names: one, or adapter i mod N (--lora-modules).
+        request_models = args.lora_modules or [model]
 
-        def payload(sample: SampleRequest) -> dict[str, Any]:
+        def payload(sample: SampleRequest, index: int) -> dict[str, Any]:
             return build_payload(
                 args.endpoint,
-                model,
+                request_models[index % len(request_models)],
                 sample,
                 temperature=args.temperature,
                 top_p=args.top_p,
@@ -524,7 +535,7 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
 
         for i in range(args.num_warmups):
             warm = await send_request(
-                client, url, payload(samples[i % len(samples)]), args.endpoint, headers
+                client, url, payload(samples[i % len(samples)], i), args.endpoint, headers
             )
             if not warm.success:
                 hint = ""
@@ -546,13 +557,14 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
             pbar = tqdm(total=len(samples), desc="requests", unit="req")
         semaphore = asyncio.Semaphore(conc) if conc else None
 
-        async def one(sample: SampleRequest) -> RequestResult:
+        async def one(sample: SampleRequest, index: int) -> RequestResult:
             if semaphore is None:
-                result = await send_request(client, url, payload(sample), args.endpoint, headers)
+                result = await send_request(client, url, payload(sample, index), args.endpoint,
+                                            headers)
             else:
                 async with semaphore:
                     result = await send_request(
-                        client, url, payload(sample), args.endpoint, headers
+                        client, url, payload(sample, index), args.endpoint, headers
                     )
             if pbar is not None:
                 pbar.update(1)
@@ -560,11 +572,11 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
 
         bench_start = time.perf_counter()
         tasks = []
-        for sample, offset in zip(samples, offsets.tolist(), strict=True):
+        for index, (sample, offset) in enumerate(zip(samples, offsets.tolist(), strict=True)):
             delay = bench_start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(sample)))
+            tasks.append(asyncio.create_task(one(sample, index)))
         results: list[RequestResult] = list(await asyncio.gather(*tasks))
         bench_end = time.perf_counter()
         if pbar is not None:
@@ -590,6 +602,7 @@ async def run_benchmark(args: argparse.Namespace) -> BenchmarkMetrics:
                 "base_url": args.base_url,
                 "endpoint": args.endpoint,
                 "model": model,
+                "lora_modules": args.lora_modules,
                 "tokenizer": tok_path,
                 "dataset": args.dataset,
                 "dataset_path": args.dataset_path,

@@ -20,6 +20,7 @@ What each is tested against (its reference), and where:
 * C++ ``fused_ops.cpp``: the torch paths of the modules they replace (RMSNorm, rotary,
   SiluAndMul, the KV-cache write); tests/engine/test_fused_ops.py.
 * C++ ``decoder_stack.cpp``: the Python decoder layers, bit for bit; tests/kernels/test_fused_decoder.py.
+* C++ ``lora.cpp``: a float64 shrink-then-expand per adapter group; tests/kernels/test_lora_kernel.py.
 
 Triton is imported lazily, on the first kernel launch, so ``import pagedserve_kernels``, the C++ kernels
 and the torch references work on machines without triton.

@@ -10,6 +10,8 @@
   with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
 - `pagedserve_kernels/cpu/fused_ops.cpp`: the small ops between the matmuls (RMSNorm with the
   residual add, RoPE, SiLU x up, the KV-cache write), one call each.
+- `pagedserve_kernels/cpu/lora.cpp`: the LoRA side path of a linear, every adapter of the
+  step in one call (engine/lora/layers.py).
 - `pagedserve_kernels/cpu/decoder_stack.cpp`: a dense decoder's layers in one call, the kernels
   above one after another (engine.models.fused_decoder). `pagedserve_kernels/cpu/ops.h` declares
   every entry point.
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
            for name in ("paged_attention.cpp", "quant_linear.cpp", "quant_blocked.cpp", "gguf_linear.cpp",
-                        "fused_ops.cpp", "decoder_stack.cpp", "bindings.cpp")]
+                        "fused_ops.cpp", "decoder_stack.cpp", "lora.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
 _kernel: object = _UNSET

@@ -48,7 +48,7 @@ class AdapterInfo:
     scale: float
 
 
-def _base_out_in(config: Any, target: str) -> tuple[int, int]:
+def base_linear_shape(config: Any, target: str) -> tuple[int, int]:
     """(out, in) of a base linear from its HF config."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
@@ -160,7 +160,7 @@ def _check_shapes(path: str, hf_config: Any, rank: int,
         if layer is None or layer >= hf_config.num_hidden_layers:
             raise AdapterError(f"LoRA adapter {path!r}: {module!r} is not a layer of "
                                "the base model")
-        out, inp = _base_out_in(hf_config, target)
+        out, inp = base_linear_shape(hf_config, target)
         want = (rank, inp) if part == "lora_A" else (out, rank)
         if tuple(shape) != want:
             raise AdapterError(f"LoRA adapter {path!r}: {key} is {list(shape)}, the base "

@@ -35,7 +35,7 @@ class LoRAModelManager:
         self.hf_config = hf_config
         self.max_cpu_loras = max_cpu_loras
         self.max_rank = max_rank
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, device  # the adapters' weights: the model's dtype
         self.linears: dict[str, Linear] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in ADAPTED_MODULES:
@@ -75,7 +75,8 @@ class LoRAModelManager:
     def _load(self, request: LoRARequest) -> None:
         info = check_adapter(request.path, self.hf_config, self.max_rank)
         by_linear: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for module_path, pair in read_adapter(info, self.hf_config, self.dtype, self.device).items():
+        weights = read_adapter(info, self.hf_config, self.dtype, self.device)
+        for module_path, pair in weights.items():
             name, piece = self._target(module_path)
             by_linear.setdefault(name, {})[piece] = pair
         for name, weights in by_linear.items():

@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place.");
   m.def("rotary_neox_", &rotary_neox_, "RoPE (neox halves) on q and k, in place.");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:].");
+  m.def("lora_add_", &lora_add_, py::call_guard<py::gil_scoped_release>(),
+        "The LoRA side path of one linear, every adapter group of the step (lora.cpp).");
   m.def("write_kv_cache", &write_kv_cache,
         "key/value [T, Hkv, D] into their slots of the head-major paged cache (-1 skipped).");
 

@@ -43,6 +43,13 @@ void silu_and_mul(at::Tensor out, at::Tensor x);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                     at::Tensor slot_mapping);
 
+// lora.cpp: out[rows_g] += (x[rows_g] A_g^T) B_g^T for each adapter group g, piece by
+// piece (b_g holds B^T [r, columns]; pieces_g [P, 2]: first output column, columns);
+// rows_g empty: every row.
+void lora_add_(at::Tensor out, at::Tensor x, std::vector<at::Tensor> rows,
+               std::vector<at::Tensor> a, std::vector<at::Tensor> b,
+               std::vector<at::Tensor> pieces);
+
 // decoder_stack.cpp: a dense Llama-family decoder's layers in one call.
 
 // One linear as engine.models.layers.Linear holds it. `dense` is the float weight [N, K]

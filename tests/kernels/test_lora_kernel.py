@@ -1,0 +1,89 @@
+"""pagedserve_kernels/cpu/lora.cpp against a float64 reference: the LoRA side path of a
+merged linear (pieces), several adapter groups over chosen rows and one over every row,
+each dtype (x, out and the adapter's weights in it); a row's result does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedserve_kernels.cpu_kernels
+from engine.attention.forward_context import LoRAMapping
+from engine.lora.layers import LinearLoRA
+
+needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
+                                   reason="no C++ compiler/ninja to build the CPU kernels")
+# qkv of a tiny model: q 64 columns, k 16, v 16, input 48.
+PIECES = [(0, 64), (64, 16), (80, 16)]
+IN = 48
+
+
+def adapter(seed: int, rank: int, pieces: list[int], dtype=torch.float32):
+    """Random (A, B) per piece, in `dtype` (the model's, as the manager keeps them)."""
+    g = torch.Generator().manual_seed(seed)
+    return {p: (torch.randn(rank, IN, generator=g).to(dtype),
+                torch.randn(PIECES[p][1], rank, generator=g).to(dtype)) for p in pieces}
+
+
+def reference(out, x, groups, adapters):
+    """float64: out[rows] += (x[rows] A^T) B^T piece by piece, per group."""
+    want = out.double().clone()
+    for lora_id, rows in groups:
+        index = torch.arange(x.shape[0]) if rows is None else rows
+        for piece, (a, b) in adapters[lora_id].items():
+            start, size = PIECES[piece]
+            delta = (x.double()[index] @ a.double().t()) @ b.double().t()
+            want[index, start:start + size] += delta
+    return want
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lora_add_matches_a_float64_shrink_then_expand(dtype):
+    adapters = {1: adapter(1, 8, [0, 2], dtype), 2: adapter(2, 4, [0, 1, 2], dtype),
+                3: adapter(3, 16, [1], dtype)}
+    layer = LinearLoRA(PIECES)
+    for lora_id, weights in adapters.items():
+        layer.set_adapter(lora_id, weights)
+    x = torch.randn(7, IN, dtype=torch.float32).to(dtype)
+    out = torch.randn(7, 96, dtype=torch.float32).to(dtype)
+    groups = [(1, torch.tensor([0, 3, 4])), (2, torch.tensor([5])), (3, torch.tensor([1, 6]))]
+    want = reference(out, x, groups, adapters)
+    layer.add_to(out, x, LoRAMapping(groups))
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance * 10)
+    untouched = want[2]  # row 2 is the base's: no adapter adds to it
+    assert torch.equal(out[2].double(), untouched)
+
+    # One group over every row (rows None), as a step of one adapter sends it.
+    out_all = torch.zeros(7, 96, dtype=dtype)
+    layer.add_to(out_all, x, LoRAMapping([(2, None)]))
+    torch.testing.assert_close(out_all.double(), reference(torch.zeros(7, 96), x, [(2, None)],
+                                                           adapters),
+                               rtol=tolerance, atol=tolerance * 10)
+
+
+@needs_kernels
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    layer = LinearLoRA(PIECES)
+    layer.set_adapter(1, adapter(5, 8, [0, 1, 2]))
+    x = torch.randn(9, IN)
+    alone = torch.zeros(1, 96)
+    layer.add_to(alone, x[4:5].clone(), LoRAMapping([(1, None)]))
+    batch = torch.zeros(9, 96)
+    layer.add_to(batch, x, LoRAMapping([(1, None)]))
+    assert torch.equal(batch[4], alone[0])
+
+
+def test_the_torch_path_matches_too(monkeypatch):
+    """Where the kernels are absent (CUDA, no compiler): the same numbers from torch."""
+    monkeypatch.setattr("engine.lora.layers.fused_ops_for", lambda tensor: None)
+    adapters = {1: adapter(1, 8, [0, 2]), 2: adapter(2, 4, [1])}
+    layer = LinearLoRA(PIECES)
+    for lora_id, weights in adapters.items():
+        layer.set_adapter(lora_id, weights)
+    x, out = torch.randn(5, IN), torch.randn(5, 96)
+    groups = [(1, torch.tensor([0, 2])), (2, torch.tensor([1, 2, 4]))]
+    want = reference(out, x, groups, adapters)
+    layer.add_to(out, x, LoRAMapping(groups))
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
