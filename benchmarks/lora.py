@@ -85,13 +85,17 @@ def text_config(model: str):
 
 
 def level(args, base_url: str, tokenizer: str, name: str, clients: int,
-          models: list[str] | None, result_dir: Path) -> Level:
-    label = f"{name}-{clients}"
+          models: list[str] | None, result_dir: Path, round_index: int) -> Level:
+    """One level through benchmarks/serve.py. The prompts are the round's (seed + round):
+    the base and the adapters get the same ones, and no round hits an earlier round's
+    prefix cache."""
+    label = f"{name}-{clients}-round{round_index}"
     argv = ["--base-url", base_url, "--endpoint", "completions", "--tokenizer", tokenizer,
             "--dataset", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
             "--num-prompts", str(max(3, 2 * clients)), "--max-concurrency", str(clients),
-            "--num-warmups", str(len(models) if models else 1), "--seed", str(args.seed),
+            "--num-warmups", str(args.adapters if clients > 1 else 1),  # alike for both
+            "--seed", str(args.seed + round_index),
             "--disable-tqdm", "--label", label,
             "--result-file", str(result_dir / f"{label}.json")]
     argv += ["--lora-modules", *models] if models else ["--model", "base"]
@@ -184,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     levels: list[Level] = []
     try:
         wait_until_ready(base_url, process, 900)
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for clients in (args.clients, 1):
                 for name, models in (("base", None), ("adapters", names if clients > 1
                                                       else names[:1])):
                     levels.append(level(args, base_url, tokenizer, name, clients, models,
-                                        work))
+                                        work, round_index))
                     print(levels[-1], file=sys.stderr)
         check_s, load_s = load_time(base_url, fresh, args.input_len)
     finally:

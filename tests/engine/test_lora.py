@@ -13,11 +13,13 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.lora_request import LoRARequest
 from engine.request import EngineCoreRequest
+from engine.structured_output import StructuredOutputsParams
 from engine.xray_schema import XrayLimits
 from tests.support.correctness import count_preemptions
 from tests.support.hf_reference import assert_greedy_matches
 from tests.support.lora_fixtures import ADAPTER_SPECS, build_adapter, peft_greedy_reference
 from tests.support.model_fixtures import build_tiny_checkpoint
+from tests.support.spec_decode import SpecCounts
 
 NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -85,6 +87,32 @@ def test_prefix_hits_chunks_preemption_and_two_slots(case):
     assert preemptions[0] > 0
     assert any(c > 0 for c in cached[None]) and any(c > 0 for c in cached["b8"])
     assert llm.engine_core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_ngram_speculation_and_json_under_adapters(case):
+    """Speculation's verify rows run under their request's adapter (the draft is the
+    prompt's n-grams, whichever adapter): the greedy tokens stay peft's. A grammar
+    constrains an adapter's output as it does the base's."""
+    base, adapters, _, _ = case
+    # Prompts that repeat a pattern, so the n-gram drafter has something to propose.
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 500, size=n).tolist() * 5 for n in (4, 7, 11)]
+    refs = {name: peft_greedy_reference(base, adapters.get(name), prompts, NUM_NEW)
+            for name in NAMES}
+    llm = LLM(base, dtype="float32", max_model_len=512, enable_lora=True, max_loras=4,
+              max_cpu_loras=4, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4, "disable_by_batch_size": 64})
+    counts = SpecCounts(llm)
+    ours, _ = run_mixed(llm, prompts, adapters)
+    for name in NAMES:
+        assert_greedy_matches(ours[name], refs[name])
+    assert counts.draft_tokens > 0
+    json_params = SamplingParams(temperature=0.0, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams("json_object"))
+    out = llm.generate([prompts[0]], json_params, use_tqdm=False,
+                       lora_request=lora_requests(adapters)["b8"])[0].outputs[0]
+    assert out.text.lstrip().startswith("{")
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_block(case):
