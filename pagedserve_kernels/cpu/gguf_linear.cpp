@@ -440,28 +440,6 @@ void decode_gguf_row(int64_t type, const uint8_t* row, float* y, int64_t cols) {
   gguf::dequantize_row(type, row, y, cols);
 }
 
-// floats -> bfloat16, round to nearest even (as c10::BFloat16(float) does; NaN aside,
-// which a decoded weight never is).
-void floats_to_bf16(const float* x, c10::BFloat16* y, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-#elif defined(__AVX2__)
-  const __m256i rounding = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-  for (; i + 8 <= n; i += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + i));
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, rounding), lsb), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
-                                            _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), packed);
-  }
-#endif
-  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
-}
-
 // The many-row path: tiles of decoded weight rows in x's dtype, one at::mm each.
 // decode(n, dst) writes rows n .. n + unit - 1 (float32 [unit, K]) to dst; num_out is a
 // multiple of unit (1 for the row decoders, 16 for blocked int4 / int8).
@@ -489,7 +467,7 @@ at::Tensor tiled(const at::Tensor& x, int64_t num_out, const RowDecoder& decode,
         float* dst = dtype == at::kFloat ? tile.data_ptr<float>() + r * cols : buffer.data();
         decode(n0 + r, dst);
         if (dtype == at::kBFloat16) {
-          floats_to_bf16(buffer.data(), tile.data_ptr<c10::BFloat16>() + r * cols, unit * cols);
+          store_floats(buffer.data(), tile.data_ptr<c10::BFloat16>() + r * cols, unit * cols);
         } else if (dtype == at::kHalf) {
           c10::Half* t = tile.data_ptr<c10::Half>() + r * cols;
           for (int64_t k = 0; k < unit * cols; ++k) t[k] = c10::Half(buffer[k]);

@@ -14,14 +14,17 @@
 //
 // Float32 math (x and the adapter's weights, float32 / bfloat16 / float16, widened; each
 // dot a float sum in a fixed order), rounded once into out's dtype: a row's result does
-// not depend on the other rows. Tasks are blocks of A rows (shrink) and of B rows (expand)
-// of every group at once, so one call spreads all the step's adapters over the threads.
+// not depend on the other rows. Tasks are blocks of 8 A rows (shrink) and of 256 columns of
+// B^T (expand) of every group at once, so one call spreads all the step's adapters over the
+// threads; inside a task, register tiles (4 rows x 2 A rows, 2 rows x 32 columns) let one
+// load of weights serve several rows when a group has many (a prefill).
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -31,25 +34,69 @@
 namespace {
 
 constexpr int64_t kShrinkBlock = 8;   // A rows per task of the shrink
-constexpr int64_t kExpandBlock = 64;  // output columns per task of the expand
+constexpr int64_t kExpandBlock = 256;  // output columns per task of the expand
+constexpr int kTileRows = 4;          // rows of x per shrink tile
+constexpr int kTileA = 2;             // A rows per shrink tile
+constexpr int kExpandRows = 2;        // rows per expand tile
+constexpr int kExpandVectors = 4;     // 8-column vectors per expand tile (32 columns)
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 
-// x (float32) . w (the adapter's dtype), n values: two vector accumulators, then the tail.
-template <typename W>
-inline float dot(const float* x, const W* w, int64_t n) {
-  vec8 acc0 = {}, acc1 = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 += load8(x + i) * load8(w + i);
-    acc1 += load8(x + i + 8) * load8(w + i + 8);
+
+// The shrink's register tile: NR rows of x against NA rows of A, n values each:
+// s[i][j] = x_i . a_j. Each dot is one vector accumulator over the 8-value steps, its
+// horizontal sum, then the scalar tail: the same order for every tile size, so a row's
+// result does not depend on which rows share its tile. NR * NA accumulators, NR + NA loads
+// per NR * NA multiply-adds (one dot alone: two loads per multiply-add).
+template <int NR, int NA, typename X, typename W>
+inline void dot_tile(const X* const* x, const W* const* a, int64_t n, float* const* s,
+                     int64_t j) {
+  vec8 acc[NR][NA] = {};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    vec8 av[NA];
+    for (int q = 0; q < NA; ++q) av[q] = load8(a[q] + k);
+    for (int r = 0; r < NR; ++r) {
+      const vec8 xv = load8(x[r] + k);
+      for (int q = 0; q < NA; ++q) acc[r][q] += xv * av[q];
+    }
   }
-  for (; i + 8 <= n; i += 8) acc0 += load8(x + i) * load8(w + i);
-  float sum = sum8(acc0 + acc1);
-  for (; i < n; ++i) sum += x[i] * widen(w[i]);
-  return sum;
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < NA; ++q) {
+      float sum = sum8(acc[r][q]);
+      for (int64_t t = k; t < n; ++t) sum += widen(x[r][t]) * widen(a[q][t]);
+      s[r][j + q] = sum;
+    }
+}
+
+// The expand's register tile: NR rows, NV * 8 contiguous columns of B^T (stride
+// `columns`), rank-many multiply-adds per column in k order:
+// acc[i][c] = sum_k s_i[k] * B^T[k, c]. One B load serves NR rows.
+template <int NR, int NV, typename W>
+inline void expand_tile(const float* const* s, const W* b, int64_t columns, int64_t rank,
+                        float* const* acc) {
+  vec8 sum[NR][NV] = {};
+  for (int64_t k = 0; k < rank; ++k) {
+    vec8 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load8(b + k * columns + 8 * v);
+    for (int r = 0; r < NR; ++r) {
+      const vec8 sk = broadcast8(s[r][k]);
+      for (int v = 0; v < NV; ++v) sum[r][v] += sk * bv[v];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) std::memcpy(acc[r] + 8 * v, &sum[r][v], sizeof(vec8));
+}
+
+// The same sums one column at a time (a block's last columns past the vectors).
+template <typename W>
+inline void expand_column(const float* s, const W* b, int64_t columns, int64_t rank,
+                          float* acc) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < rank; ++k) sum += s[k] * widen(b[k * columns]);
+  *acc = sum;
 }
 
 // One adapter group of the call: its rows, its A / B^T and its pieces.
@@ -65,17 +112,10 @@ struct Group {
 
 template <typename T, typename W>
 void add_groups(at::Tensor& out, const at::Tensor& x, std::vector<Group<W>>& groups) {
-  const int64_t num_tokens = x.size(0), in_features = x.size(1);
+  const int64_t in_features = x.size(1);
   const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // x widened to float32 once (each token belongs to one group).
-  std::vector<float> xs(num_tokens * in_features);
-  pagedserve::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t k = 0; k < in_features; ++k)
-        xs[t * in_features + k] = widen(xp[t * x_stride + k]);
-  });
   // Tasks: (group, first A row) blocks for the shrink, (group, piece, first column)
   // blocks for the expand; each reads its block of weights once for all the group's rows.
   std::vector<std::pair<int64_t, int64_t>> shrink;
@@ -92,40 +132,82 @@ void add_groups(at::Tensor& out, const at::Tensor& x, std::vector<Group<W>>& gro
       Group<W>& group = groups[shrink[task].first];
       const int64_t j0 = shrink[task].second;
       const int64_t j1 = std::min(j0 + kShrinkBlock, group.stacked);
-      for (size_t i = 0; i < group.rows.size(); ++i)
-        for (int64_t j = j0; j < j1; ++j)
-          group.s[i * group.stacked + j] =
-              dot(xs.data() + group.rows[i] * in_features, group.a + j * in_features, in_features);
+      const int64_t num_rows = static_cast<int64_t>(group.rows.size());
+      auto x_row = [&](int64_t i) { return xp + group.rows[i] * x_stride; };
+      auto s_row = [&](int64_t i) { return group.s.data() + i * group.stacked; };
+      int64_t i = 0;
+      for (; i + kTileRows <= num_rows; i += kTileRows) {
+        const T* const x[kTileRows] = {x_row(i), x_row(i + 1), x_row(i + 2), x_row(i + 3)};
+        float* const out[kTileRows] = {s_row(i), s_row(i + 1), s_row(i + 2), s_row(i + 3)};
+        int64_t j = j0;
+        for (; j + kTileA <= j1; j += kTileA) {
+          const W* const a[kTileA] = {group.a + j * in_features, group.a + (j + 1) * in_features};
+          dot_tile<kTileRows, kTileA>(x, a, in_features, out, j);
+        }
+        for (; j < j1; ++j) {
+          const W* const a[1] = {group.a + j * in_features};
+          dot_tile<kTileRows, 1>(x, a, in_features, out, j);
+        }
+      }
+      for (; i < num_rows; ++i) {  // one row (a decode): 4 A rows per tile, 4 sums in flight
+        const T* const x[1] = {x_row(i)};
+        float* const out[1] = {s_row(i)};
+        int64_t j = j0;
+        for (; j + 4 <= j1; j += 4) {
+          const W* const a[4] = {group.a + j * in_features, group.a + (j + 1) * in_features,
+                                 group.a + (j + 2) * in_features, group.a + (j + 3) * in_features};
+          dot_tile<1, 4>(x, a, in_features, out, j);
+        }
+        for (; j < j1; ++j) {
+          const W* const a[1] = {group.a + j * in_features};
+          dot_tile<1, 1>(x, a, in_features, out, j);
+        }
+      }
     }
   });
-  // The expand as rank-many axpys over a block of contiguous columns of B^T (no
-  // horizontal sums): acc[c] = sum_k s[i, p*r + k] * B^T[k, c], then out += acc.
+  // The expand: each task a block of contiguous columns of one piece's B^T, for all the
+  // group's rows, in register tiles of kExpandRows rows x 32 columns; then out += acc.
   pagedserve::parallel_for(0, static_cast<int64_t>(expand.size()), 1, [&](int64_t begin,
                                                                           int64_t end) {
-    alignas(32) float acc[kExpandBlock];
+    constexpr int64_t kTileColumns = 8 * kExpandVectors;
+    alignas(32) float acc[kExpandRows][kExpandBlock];
     for (int64_t task = begin; task < end; ++task) {
       const auto [g, p, c0] = expand[task];
       const Group<W>& group = groups[g];
       const int64_t width = std::min(kExpandBlock, group.size[p] - c0);
+      const int64_t num_rows = static_cast<int64_t>(group.rows.size());
       const W* b_block = group.b_t + group.b_col[p] + c0;
-      for (size_t i = 0; i < group.rows.size(); ++i) {
-        const float* s_row = group.s.data() + i * group.stacked + p * group.rank;
-        std::fill(acc, acc + width, 0.0f);
-        for (int64_t k = 0; k < group.rank; ++k) {
-          const W* b_row = b_block + k * group.columns;
-          vec8 sk;
-          for (int l = 0; l < 8; ++l) sk[l] = s_row[k];
-          int64_t c = 0;
-          for (; c + 8 <= width; c += 8) {
-            const vec8 v = load8(acc + c) + sk * load8(b_row + c);
-            std::memcpy(acc + c, &v, sizeof v);
-          }
-          for (; c < width; ++c) acc[c] += s_row[k] * widen(b_row[c]);
+      auto s_row = [&](int64_t i) { return group.s.data() + i * group.stacked + p * group.rank; };
+      // acc[r][0..width) for rows i..i+n: vector tiles, then the columns past them.
+      auto expand_rows = [&](int64_t i, auto tile_rows) {
+        constexpr int NR = decltype(tile_rows)::value;
+        const float* s[NR];
+        float* a[NR];
+        for (int r = 0; r < NR; ++r) s[r] = s_row(i + r), a[r] = acc[r];
+        int64_t c = 0;
+        for (; c + kTileColumns <= width; c += kTileColumns) {
+          float* at[NR];
+          for (int r = 0; r < NR; ++r) at[r] = a[r] + c;
+          expand_tile<NR, kExpandVectors>(s, b_block + c, group.columns, group.rank, at);
         }
-        T* out_row = op + group.rows[i] * out_stride + group.out_start[p] + c0;
-        for (int64_t c = 0; c < width; ++c)
-          out_row[c] = static_cast<T>(widen(out_row[c]) + acc[c]);
-      }
+        for (; c < width; ++c)
+          for (int r = 0; r < NR; ++r)
+            expand_column(s[r], b_block + c, group.columns, group.rank, a[r] + c);
+        for (int r = 0; r < NR; ++r) {  // out += acc, rounded once
+          T* out_row = op + group.rows[i + r] * out_stride + group.out_start[p] + c0;
+          int64_t col = 0;
+          for (; col + 8 <= width; col += 8) {
+            const vec8 v = load8(a[r] + col) + load8(out_row + col);
+            std::memcpy(a[r] + col, &v, sizeof v);
+          }
+          for (; col < width; ++col) a[r][col] += widen(out_row[col]);
+          store_floats(a[r], out_row, width);
+        }
+      };
+      int64_t i = 0;
+      for (; i + kExpandRows <= num_rows; i += kExpandRows)
+        expand_rows(i, std::integral_constant<int, kExpandRows>{});
+      for (; i < num_rows; ++i) expand_rows(i, std::integral_constant<int, 1>{});
     }
   });
 }

@@ -18,20 +18,21 @@ PIECES = [(0, 64), (64, 16), (80, 16)]
 IN = 48
 
 
-def adapter(seed: int, rank: int, pieces: list[int], dtype=torch.float32):
+def adapter(seed: int, rank: int, pieces: list[int], dtype=torch.float32, layout=PIECES,
+            in_features=IN):
     """Random (A, B) per piece, in `dtype` (the model's, as the manager keeps them)."""
     g = torch.Generator().manual_seed(seed)
-    return {p: (torch.randn(rank, IN, generator=g).to(dtype),
-                torch.randn(PIECES[p][1], rank, generator=g).to(dtype)) for p in pieces}
+    return {p: (torch.randn(rank, in_features, generator=g).to(dtype),
+                torch.randn(layout[p][1], rank, generator=g).to(dtype)) for p in pieces}
 
 
-def reference(out, x, groups, adapters):
+def reference(out, x, groups, adapters, layout=PIECES):
     """float64: out[rows] += (x[rows] A^T) B^T piece by piece, per group."""
     want = out.double().clone()
     for lora_id, rows in groups:
         index = torch.arange(x.shape[0]) if rows is None else rows
         for piece, (a, b) in adapters[lora_id].items():
-            start, size = PIECES[piece]
+            start, size = layout[piece]
             delta = (x.double()[index] @ a.double().t()) @ b.double().t()
             want[index, start:start + size] += delta
     return want
@@ -73,6 +74,23 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     batch = torch.zeros(9, 96)
     layer.add_to(batch, x, LoRAMapping([(1, None)]))
     assert torch.equal(batch[4], alone[0])
+
+
+@needs_kernels
+def test_shapes_past_the_tiles():
+    """An input width and piece widths that are not multiples of the vector width, a piece
+    wider than one expand task, odd ranks, and row counts that leave tails in the row tiles."""
+    layout, in_features = [(0, 300), (300, 37)], 53
+    adapters = {1: adapter(1, 5, [0, 1], layout=layout, in_features=in_features),
+                2: adapter(2, 3, [1], layout=layout, in_features=in_features)}
+    layer = LinearLoRA(layout)
+    for lora_id, weights in adapters.items():
+        layer.set_adapter(lora_id, weights)
+    x, out = torch.randn(11, in_features), torch.randn(11, 337)
+    groups = [(1, torch.tensor([0, 1, 2, 3, 4, 5, 7])), (2, torch.tensor([6, 8, 9, 10]))]
+    want = reference(out, x, groups, adapters, layout)
+    layer.add_to(out, x, LoRAMapping(groups))
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_torch_path_matches_too(monkeypatch):
