@@ -521,6 +521,11 @@ class EngineConfig:
         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'. "
         "Default: off.", group="cache", type=kv_events_config_json)
 
+    def __post_init__(self) -> None:
+        if self.lora_config.enable_lora and self.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora does not run with --tensor-parallel-size > 1 yet "
+                             "(the adapters' B matrices are not sharded)")
+
     @classmethod
     def from_options(cls, model: str, served_model_name: str | None = None,
                      **values: Any) -> EngineConfig:

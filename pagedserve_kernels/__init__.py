@@ -3,15 +3,18 @@
 * C++ (``pagedserve_kernels/cpu/``, most of the code: ~3.2k lines), one extension built on first use
   by ``pagedserve_kernels.cpu_kernels``: paged attention, the int4/int8 and GGUF linears, the small
   fused ops between the matmuls, and a dense decoder's whole layer stack.
-* Triton (this package, ~0.4k lines), for the CUDA attention backends:
+* Triton (this package, ~0.6k lines), for CUDA: the attention backends and LoRA:
   ``reshape_and_cache`` scatters this step's new K/V into the paged cache (``triton`` and
   ``flash_attn``); ``paged_attention`` is causal attention of a mixed prefill/decode batch
-  over it (``triton``).
+  over it (``triton``); ``lora_sgmv.lora_add`` runs a linear's LoRA side path for every
+  adapter of a step (shrink, then expand, grouped by adapter).
 
 What each is tested against (its reference), and where:
 
 * Triton ``reshape_and_cache``, ``paged_attention``: ``pagedserve_kernels.reference`` (torch);
   tests/kernels/test_attention_kernels.py (under the Triton interpreter without CUDA).
+* Triton ``lora_sgmv``: a float64 shrink-then-expand per adapter group;
+  tests/kernels/test_lora_sgmv.py (the interpreter without CUDA).
 * C++ ``paged_attention.cpp``: ``pagedserve_kernels.reference.paged_attention_ref``; tests/kernels/test_attention_kernels.py,
   test_paged_attention_isa.py, test_sliding_window_kernels.py, test_softcap_kernels.py.
 * C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``pagedserve_kernels.reference.quant_linear_ref``;

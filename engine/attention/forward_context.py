@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,6 +25,9 @@ class LoRAMapping:
     Example: tokens of requests [base, a=3, a=3, b=5] -> [(3, [1, 2]), (5, [3])]."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    # The groups flattened for the Triton kernels, built by the first linear that needs
+    # them in the step (engine/lora/layers.py flat_groups).
+    flat: object | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

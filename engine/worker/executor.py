@@ -139,9 +139,6 @@ class Worker:
         if lora.enable_lora:
             from engine.lora.manager import LoRAModelManager
 
-            if rank.size > 1:
-                raise ValueError("--enable-lora does not run with --tensor-parallel-size > 1 "
-                                 "yet (the adapters' B matrices are not sharded)")
             lora_manager = LoRAModelManager(model, text_config, lora.num_cpu_loras,
                                             lora.max_lora_rank, dtype, device)
         self.runner = ModelRunner(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.lora_request import LoRARequest
 from engine.request import EngineCoreRequest
 from engine.structured_output import StructuredOutputsParams
@@ -143,6 +144,8 @@ def test_an_adapter_over_the_rank_limit_is_refused(case):
     with pytest.raises(ValueError, match="rank 16 is over --max-lora-rank 8"):
         llm.generate([prompts[0]], GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("c16", 1, str(adapters["c16"])))
+    with pytest.raises(ValueError, match="does not run with --tensor-parallel-size > 1"):
+        EngineConfig.from_options(str(base), enable_lora=True, tensor_parallel_size=2)
     without = LLM(base, dtype="float32", max_model_len=512)
     with pytest.raises(ValueError, match="enable_lora"):
         without.generate([prompts[0]], GREEDY, use_tqdm=False,
