@@ -19,13 +19,16 @@ machines with neither.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.forward_context import LoRAMapping
 from pagedserve_kernels import lora_sgmv, triton_available
 from pagedserve_kernels.cpu_kernels import fused_ops_for
+
+_SERIALS = itertools.count()
 
 
 @dataclass
@@ -37,6 +40,8 @@ class _Adapted:
     a_stacked: torch.Tensor
     b_t: torch.Tensor
     pieces: torch.Tensor
+    # Tells one copy of an adapter from the next (the fused decoder stack's cache key).
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def torch_pieces(self):
         """(output columns, rank columns of s, B^T columns) per piece, for the torch path.

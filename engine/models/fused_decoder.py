@@ -12,6 +12,10 @@ the modules stay the reference and run every step the stack declines:
 - taken only for steps whose every token is a row of the in-place attention kernel
   (decodes and short prompt chunks, no SDPA prefill), with a cache the kernel reads.
 
+With LoRA adapters (--enable-lora) the stack adds each linear's side path as the modules
+do (the same lora_add_ call on the same tensors): it is handed an adapter's matrices
+the first step that adapter runs, and again whenever the linears' copies change.
+
 `PAGEDSERVE_FUSED_DECODER=0` turns it off (the modules then run every step).
 """
 
@@ -25,7 +29,7 @@ from torch import nn
 
 from engine import batch_invariant
 from engine.attention.backends.torch_backend import KERNEL_DTYPES, TorchAttentionBackend
-from engine.attention.forward_context import get_forward_context
+from engine.attention.forward_context import LoRAMapping, get_forward_context
 from engine.distributed.parallel_state import get_tp_group
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.layers import GatedMLP, Linear
@@ -44,6 +48,11 @@ class FusedDecoderStack:
 
     def __init__(self, stack, layers: nn.ModuleList, quantized: list[tuple[int, int]]):
         self._stack = stack
+        # Each layer's four linears (qkv, o, gate_up, down: the stack's order), whose
+        # `lora` holds the adapters' matrices; lora_id -> the serials handed to the stack.
+        self._linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                          layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in layers]
+        self._lora_serials: dict[int, tuple[int, ...]] = {}
         # Bound once by the model runner before the first step that builds the stack.
         self._kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
         self._head_size = layers[0].self_attn.head_size
@@ -101,9 +110,48 @@ class FusedDecoderStack:
             return None  # some tokens are not kernel rows (an SDPA prefill)
         num_tokens = hidden_states.shape[0]
         self._count_kernel_calls(num_tokens)
+        lora_ids, lora_rows = self._lora_groups(context.lora)
         return self._stack.forward(hidden_states, cos, sin, self._kv_caches,
                                    metadata.slot_mapping[:num_tokens].contiguous(),
-                                   metadata.block_table, rows.row_tables, rows.seq_lens)
+                                   metadata.block_table, rows.row_tables, rows.seq_lens,
+                                   lora_ids, lora_rows)
+
+    def _lora_groups(self, mapping: LoRAMapping | None
+                     ) -> tuple[list[int], list[torch.Tensor]]:
+        """The step's adapter groups as the stack takes them (rows empty: every token),
+        each adapter's matrices handed over first where the stack's are missing or stale."""
+        if mapping is None:
+            return [], []
+        for lora_id, _ in mapping.groups:
+            serials = self._serials(lora_id)
+            if self._lora_serials.get(lora_id) != serials:
+                self._hand_over(lora_id)
+                self._lora_serials[lora_id] = serials
+        empty = torch.empty(0, dtype=torch.int64)
+        return ([lora_id for lora_id, _ in mapping.groups],
+                [empty if rows is None else rows for _, rows in mapping.groups])
+
+    def _serials(self, lora_id: int) -> tuple[int, ...]:
+        """Which copy of the adapter each linear holds (-1: none), to tell a reload."""
+        return tuple(adapted.serial if (adapted := linear.lora.adapters.get(lora_id)) else -1
+                     for linears in self._linears for linear in linears
+                     if linear.lora is not None)
+
+    def _hand_over(self, lora_id: int) -> None:
+        self._stack.drop_lora(lora_id)
+        # Adapters the linears no longer hold are forgotten too (their memory freed).
+        for stale in [i for i in self._lora_serials if max(self._serials(i)) < 0]:
+            self._stack.drop_lora(stale)
+            del self._lora_serials[stale]
+        ops = cpu_kernels()
+        for layer_index, linears in enumerate(self._linears):
+            for linear_index, linear in enumerate(linears):
+                adapted = linear.lora.adapters.get(lora_id) if linear.lora is not None else None
+                if adapted is not None:
+                    weights = ops.LoRAWeights()
+                    weights.a, weights.b_t = adapted.a_stacked, adapted.b_t
+                    weights.pieces = adapted.pieces
+                    self._stack.set_lora(lora_id, layer_index, linear_index, weights)
 
     def _count_kernel_calls(self, num_rows: int) -> None:
         for kernel, max_rows in self._quantized:

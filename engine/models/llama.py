@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from engine.attention import Attention
-from engine.attention.forward_context import current_lora_mapping
 from engine.distributed.parallel_state import get_tp_group
 from engine.distributed.sharding import shard_heads
 from engine.models.fused_decoder import STEPS_RUN, FusedDecoderStack
@@ -148,9 +147,7 @@ class DecoderModel(nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
         fused = self._fused_stack()
-        # The C++ stack runs the base's linears only: a step with adapters runs the modules.
-        result = (None if fused is None or current_lora_mapping() is not None
-                  else fused.run(hidden_states, cos, sin))
+        result = None if fused is None else fused.run(hidden_states, cos, sin)
         if result is not None:
             STEPS_RUN["fused"] += 1
             return self.norm(*result)[0]

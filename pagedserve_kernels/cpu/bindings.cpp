@@ -70,9 +70,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_size", &DecoderShape::head_size)
       .def_readwrite("rms_norm_eps", &DecoderShape::rms_norm_eps)
       .def_readwrite("attention_scale", &DecoderShape::attention_scale);
+  py::class_<LoRAWeights>(m, "LoRAWeights")
+      .def(py::init<>())
+      .def_readwrite("a", &LoRAWeights::a)
+      .def_readwrite("b_t", &LoRAWeights::b_t)
+      .def_readwrite("pieces", &LoRAWeights::pieces);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<LayerWeights>, DecoderShape>())
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>(),
            "A step's decoder layers: (hidden, cos, sin, kv_caches, slot_mapping, block_table, "
-           "row_tables, seq_lens) -> (last MLP output, residual stream).");
+           "row_tables, seq_lens, lora_ids, lora_rows) -> (last MLP output, residual stream).")
+      .def("set_lora", &DecoderStack::set_lora,
+           "An adapter's matrices on one linear (0 qkv, 1 o, 2 gate_up, 3 down) of a layer.")
+      .def("drop_lora", &DecoderStack::drop_lora, "Forget an adapter's matrices.");
 }

@@ -13,6 +13,8 @@
 //   a = paged_attention(q)    [T, H, D] over each token's cached context
 //   h = a @ Wo.T ; h, residual = rms_norm(h + residual), ...
 //   h = down(silu(gate) * up)  with gate | up = h @ Wgate_up.T
+// With LoRA adapters in the step each of the four linears adds their side path
+// (lora_add_, as engine/lora/layers.py LinearLoRA.add_to does in the modules).
 #include "ops.h"
 
 #include <ATen/ops/add.h>
@@ -61,15 +63,47 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 
 }  // namespace
 
+void DecoderStack::set_lora(int64_t lora_id, int64_t layer, int64_t linear,
+                            LoRAWeights weights) {
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && linear >= 0 &&
+                  linear < 4,
+              "decoder_stack.set_lora: layer ", layer, " linear ", linear);
+  auto& per_layer = loras_[lora_id];
+  per_layer.resize(layers_.size());
+  per_layer[layer][linear] = std::move(weights);
+}
+
+void DecoderStack::drop_lora(int64_t lora_id) { loras_.erase(lora_id); }
+
+void DecoderStack::add_lora(at::Tensor& out, const at::Tensor& x, size_t layer, int linear,
+                            const std::vector<int64_t>& lora_ids,
+                            const std::vector<at::Tensor>& lora_rows) const {
+  std::vector<at::Tensor> rows, a, b_t, pieces;
+  for (size_t g = 0; g < lora_ids.size(); ++g) {
+    const auto found = loras_.find(lora_ids[g]);
+    if (found == loras_.end()) continue;
+    const LoRAWeights& w = found->second[layer][linear];
+    if (!w.a.defined()) continue;  // this adapter does not adapt this linear
+    rows.push_back(lora_rows[g]);
+    a.push_back(w.a);
+    b_t.push_back(w.b_t);
+    pieces.push_back(w.pieces);
+  }
+  if (!a.empty()) lora_add_(out, x.contiguous(), rows, a, b_t, pieces);
+}
+
 std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor hidden, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv_caches,
     at::Tensor slot_mapping, at::Tensor block_table, at::Tensor row_tables,
-    at::Tensor seq_lens) const {
+    at::Tensor seq_lens, const std::vector<int64_t>& lora_ids,
+    const std::vector<at::Tensor>& lora_rows) const {
   const std::vector<LayerWeights>& layers = layers_;
   const DecoderShape& shape = shape_;
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
               "decoder_stack: hidden must be contiguous [T, hidden_size]");
   TORCH_CHECK(kv_caches.size() == layers.size(), "decoder_stack: one KV cache per layer");
+  TORCH_CHECK(lora_ids.size() == lora_rows.size(), "decoder_stack: one rows tensor per adapter");
+  const bool lora = !lora_ids.empty();
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = shape.num_heads * shape.head_size;
   const int64_t kv_size = shape.num_kv_heads * shape.head_size;
@@ -83,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     } else {
       add_rms_norm_(h, residual, layer.input_norm, shape.rms_norm_eps);
     }
-    const at::Tensor qkv = linear(layer.qkv, h);
+    at::Tensor qkv = linear(layer.qkv, h);
+    if (lora) add_lora(qkv, h, i, 0, lora_ids, lora_rows);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, shape.num_heads, shape.head_size});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, shape.num_kv_heads, shape.head_size});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size)
@@ -99,12 +134,16 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     at::Tensor attn = at::empty_like(q_rows);
     paged_attention(attn, q_rows, kv_caches[i], block_table, row_tables,
                     seq_lens, shape.attention_scale, /*sliding_window=*/0);
-    h = linear(layer.o, attn.to(hidden.scalar_type()).view({tokens, q_size}));
+    const at::Tensor o_in = attn.to(hidden.scalar_type()).view({tokens, q_size});
+    h = linear(layer.o, o_in);
+    if (lora) add_lora(h, o_in, i, 1, lora_ids, lora_rows);
     add_rms_norm_(h, residual, layer.post_attention_norm, shape.rms_norm_eps);
-    const at::Tensor gate_up = linear(layer.gate_up, h);
+    at::Tensor gate_up = linear(layer.gate_up, h);
+    if (lora) add_lora(gate_up, h, i, 2, lora_ids, lora_rows);
     at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
     silu_and_mul(act, gate_up);
     h = linear(layer.down, act);
+    if (lora) add_lora(h, act, i, 3, lora_ids, lora_rows);
   }
   return {h, residual};
 }

@@ -4,8 +4,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 // paged_attention.cpp
@@ -78,6 +80,11 @@ struct DecoderShape {
   double rms_norm_eps = 1e-6, attention_scale = 1.0;
 };
 
+// One LoRA adapter on one linear, in lora_add_'s layout (A stacked, B^T, pieces).
+struct LoRAWeights {
+  at::Tensor a, b_t, pieces;
+};
+
 // The layers of one model, built once after its weights are loaded (and quantized).
 class DecoderStack {
  public:
@@ -90,12 +97,28 @@ class DecoderStack {
   // them. cos/sin [T, rotary_dim] float32; kv_caches: each layer's paged cache;
   // slot_mapping int64 [T]; block_table, row_tables, seq_lens: the in-place attention
   // kernel's arguments with every token of the step one kernel row.
+  // lora_ids / lora_rows: the step's adapter groups (engine/lora/layers.py LoRAMapping:
+  // rows empty for a group of every token), empty for a step of the base only; each
+  // linear adds the side path of the groups whose adapter set_lora gave it.
   std::tuple<at::Tensor, at::Tensor> forward(
       at::Tensor hidden, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& kv_caches,
       at::Tensor slot_mapping, at::Tensor block_table, at::Tensor row_tables,
-      at::Tensor seq_lens) const;
+      at::Tensor seq_lens, const std::vector<int64_t>& lora_ids,
+      const std::vector<at::Tensor>& lora_rows) const;
+
+  // An adapter's matrices on linear `linear` (0 qkv, 1 o, 2 gate_up, 3 down) of `layer`
+  // (tensors shared, not copied); drop_lora forgets every linear's.
+  void set_lora(int64_t lora_id, int64_t layer, int64_t linear, LoRAWeights weights);
+  void drop_lora(int64_t lora_id);
 
  private:
+  // out += the side path of linear `linear` of `layer` for each group whose adapter has it.
+  void add_lora(at::Tensor& out, const at::Tensor& x, size_t layer, int linear,
+                const std::vector<int64_t>& lora_ids,
+                const std::vector<at::Tensor>& lora_rows) const;
+
   std::vector<LayerWeights> layers_;
   DecoderShape shape_;
+  // lora_id -> per layer, the four linears' matrices (undefined: not adapted).
+  std::unordered_map<int64_t, std::vector<std::array<LoRAWeights, 4>>> loras_;
 };

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.lora_request import LoRARequest
 from engine.models.fused_decoder import STEPS_RUN
 from engine.models.quant import KERNEL_CALLS
 from pagedserve_kernels.cpu_kernels import cpu_kernels
+from tests.support.lora_fixtures import build_adapter
 from tests.support.model_fixtures import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="C++ CPU kernels unavailable")
@@ -66,6 +68,32 @@ def test_fused_stack_gives_the_modules_tokens_and_logprobs(tmp_path, monkeypatch
     # The stack counts the quantized kernels' calls as the modules do.
     assert steps["int4_calls"] == ref_steps["int4_calls"]
     assert (steps["int4_calls"] > 0) == (engine_kwargs.get("quantization") == "int4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_stack_runs_lora_adapters_as_the_modules_do(tmp_path, monkeypatch, dtype):
+    """Adapters with different target modules and the base in one batch: the stack's
+    side paths give the modules' tokens and logprobs bit for bit."""
+    base = build_tiny_checkpoint(tmp_path / "base", "llama", max_position_embeddings=512)
+    requests = [LoRARequest(name, i + 1, str(build_adapter(base, tmp_path, name, seed=i)))
+                for i, name in enumerate(("a4", "c16"))]
+
+    def run(fused: bool):
+        monkeypatch.setenv("PAGEDSERVE_FUSED_DECODER", "1" if fused else "0")
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, 400, size=n).tolist() for n in PROMPT_LENS]
+        llm = LLM(str(base), dtype=dtype, max_num_batched_tokens=96, kv_cache_memory="4MB",
+                  enable_lora=True, max_loras=2)
+        before = STEPS_RUN["fused"]
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False,
+                               lora_request=[requests[0], requests[1], None, requests[1],
+                                             requests[0]])
+        return ([(o.outputs[0].token_ids, o.outputs[0].logprobs.logprobs) for o in outputs],
+                STEPS_RUN["fused"] - before)
+
+    (fused_out, fused_steps), (modules_out, modules_steps) = run(True), run(False)
+    assert fused_out == modules_out
+    assert fused_steps >= PARAMS.max_tokens - 1 and modules_steps == 0
 
 
 def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
