@@ -1,16 +1,17 @@
 """Many LoRA adapters on one base against the base alone, on one server, in one run.
 
     python -m benchmarks.lora --model ~/.cache/pagedserve-peers/models/bench-llama-1b-Q4_K_M.gguf
-    python -m benchmarks.lora --adapters 8 --rank 16 --clients 16 --rounds 2   # the defaults
+    python -m benchmarks.lora --adapters 8 --rank 16 --clients 16 --rounds 3   # the defaults
 
 The workload (issue 44): `--adapters` random rank-`--rank` adapters on every linear of
 the base (PEFT files written here, float16), served with `--enable-lora --max-loras
 <adapters>`. Levels, each through benchmarks/serve.py (random prompts of --input-len
 tokens, --output-len tokens back, streamed): `--clients` clients on the base and the same
 spread evenly over the adapters (request i names adapter i mod N), then one client on the
-base and one on an adapter. Base and adapter levels alternate, `--rounds` times, so the
-machine's drift falls on both. Reported: output tok/s and ITL p50 per level, the adapter
-levels over the base's, and the time to load a fresh adapter: the server's check
+base and one on an adapter. Each pair runs back to back, the order flipped every round
+(ABBA), `--rounds` times, so the machine's drift between rounds does not enter a ratio.
+Reported: output tok/s and ITL p50 per level, each round's adapter level over its base
+level and the median of those, and the time to load a fresh adapter: the server's check
 (POST /v1/load_lora_adapter) and the worker's first use (the first request's TTFT over a
 second one's of the same length).
 """
@@ -50,6 +51,7 @@ MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_a
 class Level:
     name: str  # "base" or "adapters"
     clients: int
+    round_index: int
     output_tok_s: float
     itl_p50_ms: float
     failed: int
@@ -102,8 +104,8 @@ def level(args, base_url: str, tokenizer: str, name: str, clients: int,
     if serve.main(argv) != 0:
         raise RuntimeError(f"level {label} failed")
     metrics = json.loads((result_dir / f"{label}.json").read_text())["metrics"]
-    return Level(name, clients, metrics["output_throughput"], metrics["itl_ms"]["median"],
-                 metrics["failed"])
+    return Level(name, clients, round_index, metrics["output_throughput"],
+                 metrics["itl_ms"]["median"], metrics["failed"])
 
 
 def load_time(base_url: str, path: Path, input_len: int) -> tuple[float, float]:
@@ -132,20 +134,24 @@ def markdown(args, levels: list[Level], check_s: float, load_s: float) -> str:
              f"flags: {cpu_flags()}, commit {commit()}; {Path(args.model).name}, "
              f"{args.adapters} rank-{args.rank} adapters on every linear, prompts "
              f"{args.input_len} tokens, {args.output_len} out, {args.rounds} rounds "
-             "(best of each)", "",
-             "| clients | base tok/s | adapters tok/s | ratio | base ITL p50 ms | "
-             "adapters ITL p50 ms | ratio | failed |", "|---|---|---|---|---|---|---|---|"]
-    def best(name: str, clients: int) -> Level:
-        runs = [lv for lv in levels if lv.name == name and lv.clients == clients]
-        return max(runs, key=lambda lv: lv.output_tok_s)
-
+             "(base and adapters back to back, the order flipped each round; the ratios are "
+             "each round's, then their median)", "",
+             "| clients | round | base tok/s | adapters tok/s | ratio | base ITL p50 ms | "
+             "adapters ITL p50 ms | ratio | failed |", "|---|---|---|---|---|---|---|---|---|"]
     for clients in sorted({lv.clients for lv in levels}, reverse=True):
-        base, lora = best("base", clients), best("adapters", clients)
-        failed = sum(lv.failed for lv in levels if lv.clients == clients)
-        lines.append(f"| {clients} | {base.output_tok_s:.1f} | {lora.output_tok_s:.1f} | "
-                     f"{lora.output_tok_s / base.output_tok_s:.2f}x | {base.itl_p50_ms:.1f} | "
-                     f"{lora.itl_p50_ms:.1f} | {lora.itl_p50_ms / base.itl_p50_ms:.2f}x | "
-                     f"{failed} |")
+        tok_ratios, itl_ratios = [], []
+        for round_index in sorted({lv.round_index for lv in levels}):
+            pair = {lv.name: lv for lv in levels
+                    if lv.clients == clients and lv.round_index == round_index}
+            base, lora = pair["base"], pair["adapters"]
+            tok_ratios.append(lora.output_tok_s / base.output_tok_s)
+            itl_ratios.append(lora.itl_p50_ms / base.itl_p50_ms)
+            lines.append(f"| {clients} | {round_index} | {base.output_tok_s:.1f} | "
+                         f"{lora.output_tok_s:.1f} | {tok_ratios[-1]:.2f}x | "
+                         f"{base.itl_p50_ms:.1f} | {lora.itl_p50_ms:.1f} | "
+                         f"{itl_ratios[-1]:.2f}x | {base.failed + lora.failed} |")
+        lines.append(f"| {clients} | median | | | **{np.median(tok_ratios):.2f}x** | | | "
+                     f"**{np.median(itl_ratios):.2f}x** | |")
     lines += ["", f"Loading a fresh rank-{args.rank} adapter: the server's check "
               f"{check_s * 1000:.0f} ms, the worker's first use {load_s * 1000:.0f} ms."]
     return "\n".join(lines)
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--pagedserve-args", nargs=argparse.REMAINDER, default=[],
@@ -190,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_until_ready(base_url, process, 900)
         for round_index in range(args.rounds):
             for clients in (args.clients, 1):
-                for name, models in (("base", None), ("adapters", names if clients > 1
-                                                      else names[:1])):
+                order = [("base", None), ("adapters", names if clients > 1 else names[:1])]
+                for name, models in order[::-1] if round_index % 2 else order:
                     levels.append(level(args, base_url, tokenizer, name, clients, models,
                                         work, round_index))
                     print(levels[-1], file=sys.stderr)
