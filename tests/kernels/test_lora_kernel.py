@@ -10,34 +10,10 @@ import torch
 import pagedserve_kernels.cpu_kernels
 from engine.attention.forward_context import LoRAMapping
 from engine.lora.layers import LinearLoRA
+from tests.support.lora_kernel_cases import IN, PIECES, adapter, reference
 
 needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
-# qkv of a tiny model: q 64 columns, k 16, v 16, input 48.
-PIECES = [(0, 64), (64, 16), (80, 16)]
-IN = 48
-
-
-def adapter(seed: int, rank: int, pieces: list[int], dtype=torch.float32, layout=PIECES,
-            in_features=IN):
-    """Random (A, B) per piece, in `dtype` (the model's, as the manager keeps them)."""
-    g = torch.Generator().manual_seed(seed)
-    return {p: (torch.randn(rank, in_features, generator=g).to(dtype),
-                torch.randn(layout[p][1], rank, generator=g).to(dtype)) for p in pieces}
-
-
-def reference(out, x, groups, adapters, layout=PIECES):
-    """float64: out[rows] += (x[rows] A^T) B^T piece by piece, per group."""
-    want = out.double().clone()
-    for lora_id, rows in groups:
-        index = torch.arange(x.shape[0]) if rows is None else rows
-        for piece, (a, b) in adapters[lora_id].items():
-            start, size = layout[piece]
-            delta = (x.double()[index] @ a.double().t()) @ b.double().t()
-            want[index, start:start + size] += delta
-    return want
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_lora_add_matches_a_float64_shrink_then_expand(dtype):

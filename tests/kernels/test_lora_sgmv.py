@@ -16,8 +16,8 @@ import torch
 from engine.attention.forward_context import LoRAMapping
 from engine.lora.layers import LinearLoRA, flat_groups
 from pagedserve_kernels.lora_sgmv import piece_tiles
-from tests.kernels.test_lora_kernel import IN, PIECES, adapter, reference
 from tests.support.attention_cases import DEVICE, HAS_TRITON, IN_PROCESS, needs_kernels
+from tests.support.lora_kernel_cases import IN, PIECES, adapter, reference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

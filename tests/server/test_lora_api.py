@@ -4,6 +4,9 @@ load/unload routes, and bad adapters as 400s / 404s in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
+import threading
+
 import httpx
 import openai
 import pytest
@@ -131,6 +134,56 @@ def test_runtime_load_and_unload(server, case):
     assert gone.status_code == 404
     again = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert again.status_code == 404 and again.json()["error"]["param"] == "lora_name"
+
+
+def test_load_and_unload_while_requests_run(server, case):
+    """Loading an adapter while requests stream loses none of them; unloading an adapter
+    in use lets its running requests finish and refuses only new ones (404)."""
+    _, adapters = case
+    url = server.url
+    assert httpx.post(url + "/v1/load_lora_adapter", json={
+        "lora_name": "busy", "lora_path": str(adapters["a4"])}).status_code == 200
+    streaming = threading.Barrier(5)  # four streams and this test, once each has a token
+    results: dict[str, tuple[int, int, str | None]] = {}
+
+    def stream(key: str, model: str) -> None:
+        status, tokens, finish, first = 0, 0, None, True
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": PROMPT, "max_tokens": 150, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            status = response.status_code
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                    if first:
+                        first = False
+                        streaming.wait(timeout=60)
+        results[key] = (status, tokens, finish)
+
+    threads = [threading.Thread(target=stream, args=(key, model)) for key, model in
+               (("busy-1", "busy"), ("busy-2", "busy"), ("base", "tiny"), ("b8", "b8"))]
+    for thread in threads:
+        thread.start()
+    streaming.wait(timeout=60)
+    loaded = httpx.post(url + "/v1/load_lora_adapter", json={
+        "lora_name": "late", "lora_path": str(adapters["a4"])})
+    unloaded = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "busy"})
+    assert loaded.status_code == 200 and unloaded.status_code == 200
+    assert any(thread.is_alive() for thread in threads[:2]), "busy's requests ended too soon"
+    refused = httpx.post(url + "/v1/completions", json={"model": "busy", "prompt": "hi",
+                                                        "max_tokens": 2})
+    assert refused.status_code == 404
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == {key: (200, 150, "length") for key in ("busy-1", "busy-2", "base", "b8")}
+    assert completion_text(server, "late") == completion_text(server, "a4")
+    httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
 
 
 @pytest.mark.parametrize("path_of,message", [
