@@ -123,6 +123,16 @@ def check_device(tensor: torch.Tensor) -> None:
         )
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): Triton tile sizes. Example: 80 -> 128."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: how many tiles of b cover a. Example: cdiv(20, 16) -> 2."""
+    return -(-a // b)
+
+
 # Imported last: the kernel modules use the helpers above.
 from .paged_attention import paged_attention  # noqa: E402
 from .reference import paged_attention_ref, reshape_and_cache_ref  # noqa: E402

@@ -37,21 +37,13 @@ from typing import Any
 
 import torch
 
-from . import check_device, jit_kernel, triton_interpreted
+from . import cdiv, check_device, jit_kernel, next_pow2, triton_interpreted
 
 tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
 
 BLOCK_M = 16  # tokens per tile (tl.dot needs 16 or more)
 BLOCK_N = 64  # out columns per expand tile
 BLOCK_K = 64  # input features per shrink step
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _shrink_kernel(
@@ -156,12 +148,12 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
     stacked, rank = a_stack.shape[1], b_stack.shape[1]
     check_device(out)
     shrunk = torch.empty(rows.numel(), stacked, dtype=torch.float32, device=x.device)
-    m_tiles = _cdiv(max_group_tokens, BLOCK_M)
-    block_j = max(16, min(64, _next_pow2(stacked)))
+    m_tiles = cdiv(max_group_tokens, BLOCK_M)
+    block_j = max(16, min(64, next_pow2(stacked)))
     # The interpreter's tl.dot multiplies bf16 operands as raw uint16 bit patterns (numpy has
     # no bf16): there the tiles are upcast to fp32 first; on a GPU the dots run on the dtype.
     upcast = x.dtype == torch.bfloat16 and triton_interpreted()
-    jit_kernel(_shrink_kernel)[(num_groups, m_tiles, _cdiv(stacked, block_j))](
+    jit_kernel(_shrink_kernel)[(num_groups, m_tiles, cdiv(stacked, block_j))](
         x, a_stack, shrunk, rows, group_start, group_slot,
         x.shape[1], stacked,
         x.stride(0), a_stack.stride(0), a_stack.stride(1), shrunk.stride(0),
@@ -171,5 +163,5 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
         out, shrunk, b_stack, tiles, rows, group_start, group_slot,
         rank,
         out.stride(0), shrunk.stride(0), b_stack.stride(0), b_stack.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_R=max(16, _next_pow2(rank)), BLOCK_N=BLOCK_N,
+        BLOCK_M=BLOCK_M, BLOCK_R=max(16, next_pow2(rank)), BLOCK_N=BLOCK_N,
     )

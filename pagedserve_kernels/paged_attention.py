@@ -51,17 +51,9 @@ from typing import Any
 
 import torch
 
-from . import check_device, jit_kernel, triton_interpreted
+from . import cdiv, check_device, jit_kernel, next_pow2, triton_interpreted
 
 tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _paged_attention_kernel(
@@ -192,8 +184,8 @@ def _paged_attention_kernel(
 
 def _tile_shape(max_query_len: int, group: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): query tokens per tile and tile rows (a power of two, >= 16 for dot)."""
-    block_m = min(max(16, _next_pow2(max_query_len * group)), 64)
-    block_m = max(block_m, _next_pow2(group))  # at least one token's worth of heads
+    block_m = min(max(16, next_pow2(max_query_len * group)), 64)
+    block_m = max(block_m, next_pow2(group))  # at least one token's worth of heads
     return block_m // group, block_m
 
 
@@ -236,7 +228,7 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     block_q, block_m = _tile_shape(max_query_len, group)
-    grid = (num_reqs, num_kv_heads, _cdiv(max_query_len, block_q))
+    grid = (num_reqs, num_kv_heads, cdiv(max_query_len, block_q))
     check_device(query)
     kernel = jit_kernel(_paged_attention_kernel)
     # The Triton interpreter's tl.dot multiplies bf16 operands as their raw uint16 bit patterns
@@ -258,7 +250,7 @@ def paged_attention(
         sliding_window or 0,
         float(logit_softcap or 0.0),
         HEAD_SIZE=head_size,
-        BLOCK_D=_next_pow2(head_size),
+        BLOCK_D=next_pow2(head_size),
         BLOCK_SIZE=block_size,
         GROUP=group,
         BLOCK_Q=block_q,

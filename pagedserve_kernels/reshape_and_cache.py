@@ -22,13 +22,9 @@ from typing import Any
 
 import torch
 
-from . import check_device, jit_kernel
+from . import check_device, jit_kernel, next_pow2
 
 tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _reshape_and_cache_kernel(
@@ -112,6 +108,6 @@ def reshape_and_cache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_H=_next_pow2(num_kv_heads),
-        BLOCK_D=_next_pow2(head_size),
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_size),
     )
