@@ -135,34 +135,30 @@ void add_groups(at::Tensor& out, const at::Tensor& x, std::vector<Group<W>>& gro
       const int64_t num_rows = static_cast<int64_t>(group.rows.size());
       auto x_row = [&](int64_t i) { return xp + group.rows[i] * x_stride; };
       auto s_row = [&](int64_t i) { return group.s.data() + i * group.stacked; };
+      // s for rows i .. i + NR - 1: tiles of NA A rows, then the A rows past them one by one.
+      auto shrink_rows = [&](int64_t i, auto tile_rows, auto tile_a) {
+        constexpr int NR = decltype(tile_rows)::value, NA = decltype(tile_a)::value;
+        const T* x[NR];
+        float* out[NR];
+        for (int r = 0; r < NR; ++r) x[r] = x_row(i + r), out[r] = s_row(i + r);
+        int64_t j = j0;
+        for (; j + NA <= j1; j += NA) {
+          const W* a[NA];
+          for (int q = 0; q < NA; ++q) a[q] = group.a + (j + q) * in_features;
+          dot_tile<NR, NA>(x, a, in_features, out, j);
+        }
+        for (; j < j1; ++j) {
+          const W* const a[1] = {group.a + j * in_features};
+          dot_tile<NR, 1>(x, a, in_features, out, j);
+        }
+      };
       int64_t i = 0;
-      for (; i + kTileRows <= num_rows; i += kTileRows) {
-        const T* const x[kTileRows] = {x_row(i), x_row(i + 1), x_row(i + 2), x_row(i + 3)};
-        float* const out[kTileRows] = {s_row(i), s_row(i + 1), s_row(i + 2), s_row(i + 3)};
-        int64_t j = j0;
-        for (; j + kTileA <= j1; j += kTileA) {
-          const W* const a[kTileA] = {group.a + j * in_features, group.a + (j + 1) * in_features};
-          dot_tile<kTileRows, kTileA>(x, a, in_features, out, j);
-        }
-        for (; j < j1; ++j) {
-          const W* const a[1] = {group.a + j * in_features};
-          dot_tile<kTileRows, 1>(x, a, in_features, out, j);
-        }
-      }
-      for (; i < num_rows; ++i) {  // one row (a decode): 4 A rows per tile, 4 sums in flight
-        const T* const x[1] = {x_row(i)};
-        float* const out[1] = {s_row(i)};
-        int64_t j = j0;
-        for (; j + 4 <= j1; j += 4) {
-          const W* const a[4] = {group.a + j * in_features, group.a + (j + 1) * in_features,
-                                 group.a + (j + 2) * in_features, group.a + (j + 3) * in_features};
-          dot_tile<1, 4>(x, a, in_features, out, j);
-        }
-        for (; j < j1; ++j) {
-          const W* const a[1] = {group.a + j * in_features};
-          dot_tile<1, 1>(x, a, in_features, out, j);
-        }
-      }
+      for (; i + kTileRows <= num_rows; i += kTileRows)
+        shrink_rows(i, std::integral_constant<int, kTileRows>{},
+                    std::integral_constant<int, kTileA>{});
+      // The rows past the tiles (a decode's one row): 4 A rows per tile, 4 sums in flight.
+      for (; i < num_rows; ++i)
+        shrink_rows(i, std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
     }
   });
   // The expand: each task a block of contiguous columns of one piece's B^T, for all the
