@@ -15,7 +15,9 @@ from the cache, as in a real forward pass. Prints the CPU's SIMD flags first.
 int4 / int8 weights whose output count is a multiple of 16 (all of these) are held in
 blocks of 16 output rows (pagedserve_kernels/cpu/quant_blocked.cpp), as the server holds them;
 "int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
-layout for comparison. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
+layout for comparison. "Q4_K-repacked" is a random Q4_K weight as the GGUF loader holds it
+(engine.models.gguf_weight.repack: blocked int4 with super-block scales), "Q4_K" the same
+type on gguf_linear.cpp's kernel. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
 Q8_0 in its GGUF, so int8) instead of the layer.
 
 `--activations int16 int8` compares the few-row kernels' activation precisions
@@ -37,6 +39,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.compare_servers import cpu_flags
+from engine.models.gguf_weight import repack
 from engine.models.quant import QuantSpec, quantize
 from pagedserve_kernels.cpu_kernels import (
     ACTIVATION_PRECISIONS,
@@ -51,6 +54,7 @@ SHAPE_SETS = {
     "lm_head": {"lm_head": (49152, 576)},
 }
 PACKED = ("int4", "int8", "int4-rowmajor", "int8-rowmajor")  # engine.models.quant formats
+REPACKED = ("Q4_K-repacked",)  # GGUF types the loader repacks into blocked int4
 LAYERS = 8  # copies of the weights, cycled so that they come from memory
 
 
@@ -70,6 +74,13 @@ def packed_weight(fmt: str, n: int, k: int) -> tuple:
     return w.canonical() if fmt.endswith("-rowmajor") else (w.data, w.scales, w.mins)
 
 
+def block_width(fmt: str) -> int:
+    """Columns per block of a format (32 for int4/int8, the GGML type's block otherwise)."""
+    if fmt in PACKED:
+        return 32
+    return GGML_QUANT_SIZES[GGMLQuantizationType[fmt.removesuffix("-repacked")]][0]
+
+
 def layer_weights(fmt: str, shapes: dict, rng, copies: int = LAYERS) -> list[dict]:
     layers = []
     for _ in range(copies):
@@ -77,6 +88,10 @@ def layer_weights(fmt: str, shapes: dict, rng, copies: int = LAYERS) -> list[dic
         for name, (n, k) in shapes.items():
             if fmt in PACKED:
                 weights[name] = packed_weight(fmt, n, k)
+            elif fmt in REPACKED:
+                ggml_type = GGMLQuantizationType[fmt.removesuffix("-repacked")]
+                w = repack(random_rows(ggml_type, n, k, rng).numpy(), ggml_type, max_rows=0)
+                weights[name] = (w.data, w.scales, w.mins)
             else:
                 weights[name] = random_rows(GGMLQuantizationType[fmt], n, k, rng)
         layers.append(weights)
@@ -86,9 +101,9 @@ def layer_weights(fmt: str, shapes: dict, rng, copies: int = LAYERS) -> list[dic
 def run_layer(ops, fmt: str, weights: dict, xs: dict, tiled: bool) -> None:
     for name, w in weights.items():
         x = xs[name]
-        if fmt in PACKED:
+        if fmt in PACKED or fmt in REPACKED:
             data, scales, mins = w
-            int4 = fmt.startswith("int4")
+            int4 = fmt.startswith("int4") or fmt in REPACKED
             if tiled:
                 ops.quant_tiled_linear(x, data, scales, mins if int4 else torch.empty(0),
                                        4 if int4 else 8)
@@ -135,7 +150,7 @@ def compare_precisions(ops, args, shapes: dict, dtype, rng) -> None:
           f"interleaved rounds: {' / '.join(names)}  (ratio {names[-1]} / {names[0]}: median of "
           f"the rounds' ratios)")
     for fmt in args.formats:
-        block = 32 if fmt in PACKED else GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0]
+        block = block_width(fmt)
         if any(k % block for _, k in shapes.values()):
             print(f"{fmt:>13}  skipped: its blocks of {block} do not divide these shapes' K")
             continue
@@ -156,7 +171,7 @@ def compare_precisions(ops, args, shapes: dict, dtype, rng) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "Q6_K", "int4", "int8"],
-                        help=f"GGML type names or {', '.join(PACKED)}")
+                        help=f"GGML type names or {', '.join(PACKED + REPACKED)}")
     parser.add_argument("--shapes", default="layer", choices=sorted(SHAPE_SETS))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"ms per {args.shapes} ({', '.join(shapes)}), few-row kernel / tiled path:")
     for fmt in args.formats:
-        block = 32 if fmt in PACKED else GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0]
+        block = block_width(fmt)
         if any(k % block for _, k in shapes.values()):
             print(f"{fmt:>13}  skipped: its blocks of {block} do not divide these shapes' K")
             continue

@@ -1,7 +1,8 @@
 """Fill a model's parameters from a GGUF file, its quantized tensors served in place.
 
     GGUF tensor (name, GGML type, bytes)          our model
-    blk.3.attn_q.weight  Q4_K   ─ mmap ─►   layers.3.self_attn.qkv_proj  piece 0: GGUFWeight
+    blk.3.attn_q.weight  Q4_K   ─ read, repack ─► layers.3.self_attn.qkv_proj piece 0:
+                                                  QuantizedWeight int4 (super-block lanes)
     blk.3.attn_v.weight  Q6_K   ─ mmap ─►                                piece 2: GGUFWeight
     blk.3.ffn_down.weight Q5_0  ─ read, repack ─► layers.3.mlp.down_proj:  QuantizedWeight int8
     blk.3.attn_norm.weight F32  ─ copy ─►   layers.3.input_layernorm.weight (dense)
@@ -12,7 +13,8 @@
 
 Quantized tensors become packed weights (engine.models.gguf_weight) and never exist as
 dense floats: K-quants and the types without an exact int4/int8 form stay the file's
-memory-mapped bytes; Q4_0/Q4_1/Q8_0/Q5_0/IQ4_NL are read once and repacked, exactly.
+memory-mapped bytes; Q4_0/Q4_1/Q8_0/Q5_0/IQ4_NL and Q4_K (with a multiple of 16 rows)
+are read once and repacked, exactly.
 F32/F16/BF16 tensors (norms, biases, and linears stored unquantized) are copied into
 the dense parameters. Llama's q/k rows, which llama.cpp's converter permutes for its
 RoPE layout, are read into memory in HF's order (a copy of those two tensors only).
@@ -44,11 +46,11 @@ from engine.model_loader.gguf import (
 )
 from engine.model_loader.gguf_file import GGUFFile
 from engine.models.gguf_weight import (
-    REPACKED_SPECS,
     GGUFWeight,
     StackedWeight,
     concat_quantized,
     repack,
+    repacks,
 )
 from engine.models.layers import Linear, MergedLinear, VocabEmbedding
 from engine.models.phi3 import split_fused_weights
@@ -150,13 +152,14 @@ def _packed(gguf: GGUFFile, name: str, heads: int | None, report: GGUFLoadReport
             dtype: torch.dtype | None):
     """The packed weight of one quantized 2-D tensor."""
     info = gguf.tensors[name]
-    if info.ggml_type in REPACKED_SPECS or heads is not None:
+    repacked = repacks(info.ggml_type, info.shape[0])
+    if repacked or heads is not None:
         raw = gguf.read(name)  # into memory, not mapped: the mapping's pages stay untouched
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)  # whole rows of blocks move
     else:
         raw = gguf.raw(name)
-    if info.ggml_type in REPACKED_SPECS:
+    if repacked:
         report.repacked_types[info.ggml_type.name] += 1
         return repack(raw, info.ggml_type, dtype=dtype)
     report.packed_types[info.ggml_type.name] += 1
@@ -177,6 +180,7 @@ def _assemble(module: nn.Module, module_name: str, shards: dict[int | None, obje
     parts = [shards[s] for s in expected]
     if len(parts) == 1:
         return parts[0]
-    if all(isinstance(p, QuantizedWeight) and p.spec == parts[0].spec for p in parts):
+    if all(isinstance(p, QuantizedWeight) and p.spec == parts[0].spec
+           and p.scale_form == parts[0].scale_form for p in parts):
         return concat_quantized(parts)
     return StackedWeight(parts)

@@ -8,8 +8,15 @@ A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
                                        the group's q (Q5_0: q - 16, IQ4_NL: its table's
                                        value, both in int8), the same bytes per weight or
                                        fewer (Q5_0/IQ4_NL in int8: 1.06 vs 0.69/0.56)
+    Q4_K (N a multiple of 16)       -> QuantizedWeight int4 in blocks of 16 rows, exact: the
+                                       nibbles as they are, each group's scale d * sc and
+                                       min -dmin * m kept as super-block lanes (float16 d,
+                                       uint8 6-bit sc, m: 0.58 bytes per weight vs 0.5625),
+                                       so the blocked int4 kernels run it (about twice the
+                                       speed of gguf_linear.cpp's Q4_K kernel)
     every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
-      (Q2_K..Q6_K, Q5_1, IQ4_XS)       in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
+      (Q2_K, Q3_K, Q5_K, Q6_K, Q5_1,   in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
+       IQ4_XS; Q4_K with other N)
 
 A merged linear (qkv, gate_up) whose pieces have different types (Q4_K_M stores some
 attn_v in Q6_K beside a Q4_K attn_q) holds a StackedWeight: each piece its own packed
@@ -29,21 +36,30 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine import batch_invariant
 from engine.models.quant import (
+    BLOCK_ROWS,
     GROUP_SIZE,
     KERNEL_CALLS,
     QuantizedWeight,
     QuantSpec,
+    block_int4_values,
     default_max_rows,
     kernel_kind,
+    super_block_lanes,
 )
 
 T = GGMLQuantizationType
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], dtype=np.int8)
-# The 32-block types that repack exactly, and the int4/int8 spec each becomes.
+# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K only with a
+# multiple of 16 rows: `repacks`).
 REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("int4"),
                   T.Q8_0: QuantSpec("int8"), T.Q5_0: QuantSpec("int8"),
-                  T.IQ4_NL: QuantSpec("int8")}
+                  T.IQ4_NL: QuantSpec("int8"), T.Q4_K: QuantSpec("int4")}
+
+
+def repacks(ggml_type: GGMLQuantizationType, rows: int) -> bool:
+    """Whether a tensor of this type and number of rows (output features) is repacked."""
+    return ggml_type in REPACKED_SPECS and (ggml_type != T.Q4_K or rows % BLOCK_ROWS == 0)
 
 
 def _kernels():
@@ -137,6 +153,8 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     groups = blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
     max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
+    if ggml_type == T.Q4_K:
+        return _repack_q4k(blocks, d, spec, max_rows)
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:
@@ -160,10 +178,40 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     return QuantizedWeight(spec, torch.from_numpy(q), torch.from_numpy(d.copy()), None, max_rows)
 
 
+def _repack_q4k(blocks: np.ndarray, d: np.ndarray, spec: QuantSpec,
+                max_rows: int) -> QuantizedWeight:
+    """Q4_K blocks (uint8 [N, K / 256, 144]: half d, dmin | scales[12] | qs[128]) as blocked
+    int4 with super-block lanes. Element 64 c + l (l < 32) of a block is the low nibble of
+    qs[32 c + l], element 64 c + 32 + l its high nibble; group j's 6-bit scale and min
+    unpack from the 12 bytes b as gguf_blocks.h's unpack_k4_scales:
+        j < 4:  sc = b[j] & 63,                       m = b[j + 4] & 63
+        j >= 4: sc = b[j + 4] & 15 | (b[j - 4] >> 6) << 4,  m = b[j + 4] >> 4 | (b[j] >> 6) << 4
+    Example: b[0] = 0xC5, b[8] = 0x2A: sc[0] = 5, sc[4] = 0xA | 3 << 4 = 58.
+    """
+    n, supers = blocks.shape[0], blocks.shape[1]
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, supers)
+    b = blocks[..., 4:16]
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
+    qs = blocks[..., 16:].reshape(n, supers, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, supers * 256)
+    groups = supers * 8
+    return QuantizedWeight(
+        spec, block_int4_values(torch.from_numpy(q)),
+        super_block_lanes(torch.from_numpy(d.copy()), torch.from_numpy(sc.reshape(n, groups))),
+        super_block_lanes(torch.from_numpy(-dmin), torch.from_numpy(m.reshape(n, groups))),
+        max_rows)
+
+
 def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """QuantizedWeights of one spec stacked along the output dim, as one weight."""
+    """QuantizedWeights of one spec and scale form stacked along the output dim, as one
+    weight (blocked parts: their blocks one after another)."""
     if len(parts) == 1:
         return parts[0]
+    if all(p.blocked for p in parts):
+        tensors = zip(*((p.data, p.scales, p.mins) for p in parts), strict=True)
+        data, scales, mins = (None if t[0] is None else torch.cat(t) for t in tensors)
+        return QuantizedWeight(parts[0].spec, data, scales, mins, parts[0].max_rows)
     data, scales, mins = zip(*(p.canonical() for p in parts), strict=True)
     return QuantizedWeight(parts[0].spec, torch.cat(data), torch.cat(scales),
                            None if mins[0] is None else torch.cat(mins), parts[0].max_rows)

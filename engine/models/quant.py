@@ -104,24 +104,35 @@ def _kernels():
 
 
 class QuantizedWeight:
-    """One linear's weight in int4/int8 (groups of 32, float16 scales) and its kernel."""
+    """One linear's weight in int4/int8 (groups of 32, float16 scales) and its kernel.
+
+    `data`, `scales`, `mins` come in the row-major layout (blocked here when N is a
+    multiple of 16) or already blocked (`data` [N / 16, K / 32, ...]; GGUF Q4_K's repack,
+    whose scales and mins are super-block lanes: see `super_block_lanes`).
+    """
 
     def __init__(self, spec: QuantSpec, data: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, max_rows: int):
         self.spec = spec
-        self.out_features = scales.shape[0]
-        self.in_features = scales.shape[1] * GROUP_SIZE
-        if self.out_features % BLOCK_ROWS == 0:
-            if spec.method == "int4":
-                data, scales, mins = block_int4(data, scales, mins)
-            else:
-                data, scales = block_int8(data, scales)
+        if data.dim() == 3:
+            self.out_features = data.shape[0] * BLOCK_ROWS
+            self.in_features = data.shape[1] * GROUP_SIZE
+        else:
+            self.out_features = scales.shape[0]
+            self.in_features = scales.shape[1] * GROUP_SIZE
+            if self.out_features % BLOCK_ROWS == 0:
+                if spec.method == "int4":
+                    data, scales, mins = block_int4(data, scales, mins)
+                else:
+                    data, scales = block_int8(data, scales)
         # int4: uint8 [N, K / 2] (two per byte), or blocked [N / 16, K / 32, 256] (see
         # block_int4) when N is a multiple of 16; int8: int8 [N, K], or blocked
         # [N / 16, K / 32, 512] (see block_int8).
         self.data = data
-        self.scales = scales  # float16 [N, K / 32]; blocked: [N / 16, K / 32, 16]
-        self.mins = mins  # int4: float16 shaped like scales; int8: None
+        # float16 [N, K / 32]; blocked: [N / 16, K / 32, 16], or uint8 super-block lanes
+        # [N / 16, K / 256, 160] (super_block_lanes)
+        self.scales = scales
+        self.mins = mins  # int4: shaped like scales; int8: None
         self.max_rows = max_rows
         self._kernel = _kernels()
 
@@ -129,14 +140,21 @@ class QuantizedWeight:
     def blocked(self) -> bool:
         return self.data.dim() == 3
 
+    @property
+    def scale_form(self) -> str:
+        """"float16" or "super-blocks" (weights concatenate only within one form)."""
+        return "super-blocks" if self.scales.dtype == torch.uint8 else "float16"
+
     def canonical(self, ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(data, scales, mins) of output rows `ids` (all for None) in the row-major layout
-        (int4 [N, K / 2], int8 [N, K]; scales and mins [N, K / 32])."""
+        (int4 [N, K / 2], int8 [N, K]; scales and mins [N, K / 32], float32 for
+        super-block lanes, else float16)."""
         if self.blocked:
+            scales, mins = _lane_values(self.scales), _lane_values(self.mins)
             if self.spec.method == "int4":
-                return unblock_int4(self.data, self.scales, self.mins, ids)
-            return (*unblock_int8(self.data, self.scales, ids), None)
+                return unblock_int4(self.data, scales, mins, ids)
+            return (*unblock_int8(self.data, scales, ids), None)
         if ids is None:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
@@ -283,13 +301,47 @@ def block_int4(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     and mins [N / 16, K / 32, 16], lane j = row 16b + j. Worked example: if every row's
     group 0 starts q = (1, 2, 3, 4, ...), block 0 begins 0x31 0x42 0x31 0x42 ...
     """
-    n, k = data.shape[0], data.shape[1] * 2
+    return block_int4_values(unpack_int4(data)), _group_lanes(scales), _group_lanes(mins)
+
+
+def block_int4_values(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> block_int4's blocked bytes [N / 16, K / 32, 256]."""
+    n, k = q.shape
     groups = k // GROUP_SIZE
-    q = unpack_int4(data).view(n // BLOCK_ROWS, BLOCK_ROWS, groups, 8, 4)
+    q = q.reshape(n // BLOCK_ROWS, BLOCK_ROWS, groups, 8, 4)
     q = q.permute(0, 2, 3, 1, 4)  # [block, group, quad, lane, 4 values]
     pairs = q[..., 0:2] | (q[..., 2:4] << 4)  # byte 2j: values 0 | 2, byte 2j + 1: 1 | 3
-    blocked = pairs.reshape(n // BLOCK_ROWS, groups, 256).contiguous()
-    return blocked, _group_lanes(scales), _group_lanes(mins)
+    return pairs.reshape(n // BLOCK_ROWS, groups, 256).contiguous()
+
+
+SUPER_BLOCK_GROUPS = 8  # groups of 32 per K-quant super-block (256 columns)
+
+
+def super_block_lanes(d: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per-group values d[n, s] * k[n, g] in quant_blocked.cpp's super-block lanes.
+
+    d: float16 [N, K / 256] (one per super-block s), k: uint8 [N, K / 32] (one per group
+    g, s = g // 8) -> uint8 [N / 16, K / 256, 160]: per block b and super-block s, d of the
+    16 rows (float16, bytes 0..31), then k[i][j] for group 8 s + i, lane j (row 16 b + j).
+    Example: GGUF Q4_K's scales are d * sc_g (d its float16 d, sc_g a 6-bit scale), its
+    mins -dmin * m_g; d = 0.5 and k = 7 stand for 3.5, exactly (float32 holds the product).
+    """
+    n, supers = d.shape
+    d_lanes = d.view(n // BLOCK_ROWS, BLOCK_ROWS, supers).transpose(1, 2)  # [B, S, 16]
+    k_lanes = k.view(n // BLOCK_ROWS, BLOCK_ROWS, supers, SUPER_BLOCK_GROUPS).permute(0, 2, 3, 1)
+    d_bytes = d_lanes.contiguous().view(torch.uint8)  # [B, S, 32]
+    return torch.cat([d_bytes, k_lanes.reshape(n // BLOCK_ROWS, supers, -1)], dim=-1).contiguous()
+
+
+def _lane_values(lanes: torch.Tensor | None) -> torch.Tensor | None:
+    """Blocked scales or mins as values [N / 16, K / 32, 16]: float16 as they are, super-block
+    lanes expanded to float32 (d * k, exact)."""
+    if lanes is None or lanes.dtype != torch.uint8:
+        return lanes
+    blocks, supers = lanes.shape[0], lanes.shape[1]
+    d = lanes[..., :2 * BLOCK_ROWS].contiguous().view(torch.float16).float()  # [B, S, 16]
+    k = lanes[..., 2 * BLOCK_ROWS:].reshape(blocks, supers, SUPER_BLOCK_GROUPS, BLOCK_ROWS).float()
+    return (d.unsqueeze(2) * k).reshape(blocks, supers * SUPER_BLOCK_GROUPS, BLOCK_ROWS)
 
 
 def _group_lanes(per_group: torch.Tensor) -> torch.Tensor:

@@ -530,21 +530,12 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_r
   });
 }
 
-// int4 / int8 in quant_linear.cpp's formats (groups of 32, float16 scales and mins), tiled.
+// int4 / int8 in quant_linear.cpp's or quant_blocked.cpp's formats, tiled.
 at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
                               int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   if (is_blocked(data)) {  // quant_blocked.cpp's layouts
-    TORCH_CHECK(data.is_contiguous() && data.size(2) == (bits == 4 ? 256 : 512) &&
-                    data.scalar_type() == (bits == 4 ? at::kByte : at::kChar) &&
-                    scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                    scales.dim() == 3 && scales.size(0) == data.size(0) &&
-                    scales.size(1) == data.size(1) && scales.size(2) == 16,
-                "blocked weights [N / 16, K / 32, 256 (int4) or 512 (int8)] need contiguous "
-                "float16 scales [N / 16, K / 32, 16]");
-    TORCH_CHECK(bits == 8 || (mins.defined() && mins.sizes() == scales.sizes() &&
-                              mins.scalar_type() == at::kHalf && mins.is_contiguous()),
-                "int4 needs float16 mins shaped like scales");
+    check_blocked_weight(data, scales, mins, bits);
     check_x(x, data.size(1) * 32);
     return tiled(x, data.size(0) * 16, [&](int64_t n, float* dst) {
       if (bits == 4) {

@@ -29,7 +29,8 @@
 // per group the bytes are [pair p = 0..15][lane j][2]: the group's column pairs one
 // after another, 16 rows each. Example, q[j, 0..3] = (1, -2, 3, 4) for every j: bytes
 // 0 .. 31 of block 0, group 0 are 0x01 0xFE 0x01 0xFE ..., bytes 32 .. 63 0x03 0x04 ...
-// Scales (and int4's mins) are float16 [N / 16, G, 16] (lane j of group g = row 16 b + j).
+// Scales (and int4's mins) are float16 [N / 16, G, 16] (lane j of group g = row 16 b + j),
+// or K-quant super-blocks of 8 groups (GroupLanes below: Q4_K repacked exactly).
 // engine.models.quant.block_int4 / block_int8 build these layouts from quant_linear.cpp's.
 //
 // Arithmetic (the same as quant_linear.cpp, so the same reference): x is rounded per row
@@ -83,6 +84,54 @@ constexpr int64_t kLanes = 16;
 template <bool kInt8>
 constexpr int64_t kBytesPerGroup = kInt8 ? 512 : 256;
 
+// Where one block's per-group scales (or int4's mins) come from; lane j = output row
+// 16 b + j. Two forms:
+//   float16 [G, 16] (quant.py's int4/int8, the repacked 32-block GGUF types);
+//   super-blocks of 8 groups, uint8 [G / 8, 160] (GGUF Q4_K repacked exactly:
+//   engine.models.gguf_weight.repack): per super-block s, float16 d[16] in bytes 0..31,
+//   then uint8 k[8][16]; group 8 s + i's value in lane j is d[j] * k[i][j], exact in
+//   float32 (an 11-bit significand times a 6-bit integer). Q4_K's mins hold -dmin and m.
+//   Example: d[3] = 0.5, k[2][3] = 7: lane 3 of group 8 s + 2 is 3.5.
+// Every path (scalar, 8 or 16 lanes) forms the same float32 values.
+struct GroupLanes {
+  static constexpr int64_t kSuperBytes = 160;
+  const uint8_t* p = nullptr;
+  bool super_blocks = false;
+
+  // Block b's lanes, for a weight of `groups` groups per row.
+  GroupLanes block(int64_t b, int64_t groups) const {
+    const int64_t bytes = super_blocks ? groups / 8 * kSuperBytes : groups * kLanes * 2;
+    return {p + b * bytes, super_blocks};
+  }
+  float lane(int64_t g, int j) const {
+    if (!super_blocks) return half_to_float(reinterpret_cast<const uint16_t*>(p)[g * kLanes + j]);
+    const uint8_t* s = p + (g / 8) * kSuperBytes;
+    return half_to_float(reinterpret_cast<const uint16_t*>(s)[j]) *
+           static_cast<float>(s[32 + 16 * (g % 8) + j]);
+  }
+#if defined(__AVX512F__) && defined(__F16C__)
+  __m512 lanes16(int64_t g) const {
+    if (!super_blocks)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g)));
+    const uint8_t* s = p + (g / 8) * kSuperBytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    const __m128i k = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + 16 * (g % 8)));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k)));
+  }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  // Lanes 8 h .. 8 h + 7.
+  __m256 lanes8(int64_t g, int h) const {
+    if (!super_blocks)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * g + 16 * h)));
+    const uint8_t* s = p + (g / 8) * kSuperBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * h)));
+    const __m128i k = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 32 + 16 * (g % 8) + 8 * h));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k)));
+  }
+#endif
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 inline __m512i pair_dot(__m512i acc, __m512i w, int32_t x_pair) {
   return madd_accumulate(acc, w, _mm512_set1_epi32(x_pair));
@@ -105,7 +154,7 @@ inline void quad_weights(const uint8_t* bytes, int t, __m512i& w01, __m512i& w23
 
 // out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes (mins: int4 only).
 template <bool kInt8, int R>
-void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   __m512 acc[R];
@@ -123,16 +172,14 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
         dot[r] = pair_dot(pair_dot(dot[r], w01, pairs[0]), w23, pairs[1]);
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(scales + g * kLanes)));
+    const __m512 scale = scales.lanes16(g);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
     }
     if (!kInt8) {
-      const __m512 lowest = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(mins + g * kLanes)));
+      const __m512 lowest = mins.lanes16(g);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
     }
@@ -163,7 +210,7 @@ inline void quad_weights(const uint8_t* bytes, int t, __m256i w[2][2]) {
 
 // The same on 256-bit vectors: lanes 0-7 and 8-15 of the block in two registers.
 template <bool kInt8, int R>
-void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   __m256 acc[R][2];
@@ -186,16 +233,14 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes + 8 * h)));
+      const __m256 scale = scales.lanes8(g, h);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * groups + g;
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
                                     _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at])), acc[r][h]);
       }
       if (!kInt8) {
-        const __m256 lowest = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kLanes + 8 * h)));
+        const __m256 lowest = mins.lanes8(g, h);
         for (int r = 0; r < R; ++r)
           acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
                                       acc[r][h]);
@@ -219,7 +264,7 @@ inline void quad_lane(const uint8_t* bytes, int t, int j, int32_t q[4]) {
 }
 
 template <bool kInt8, int R>
-void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
   for (int r = 0; r < R; ++r)
@@ -234,9 +279,8 @@ void block_rows(const uint8_t* block, const uint16_t* scales, const uint16_t* mi
           dot += q[0] * x[0] + q[1] * x[1] + q[2] * x[2] + q[3] * x[3];
         }
         const int64_t at = (m0 + r) * groups + g;
-        const float s = half_to_float(scales[g * kLanes + j]);
-        acc = std::fma(static_cast<float>(dot), s * a.scales[at], acc);
-        if (!kInt8) acc = std::fma(half_to_float(mins[g * kLanes + j]), a.sums[at], acc);
+        acc = std::fma(static_cast<float>(dot), scales.lane(g, j) * a.scales[at], acc);
+        if (!kInt8) acc = std::fma(mins.lane(g, j), a.sums[at], acc);
       }
       out[(m0 + r) * out_stride + j] = acc;
     }
@@ -291,7 +335,7 @@ inline __m512i int8_quad_s8(const uint8_t* bytes, int t, __m512i words_to_lanes)
 // madd by 1 makes them int32; int8 (VNNI only) |sum (xq + 128) q| <= 32 * 255 * 128 =
 // 1,044,480 and |128 sum q| <= 524,288: all far inside int32.
 template <bool kInt8, int R>
-void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
   __m512 acc[R];
@@ -338,16 +382,14 @@ void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t*
     }
     for (int r = 0; r < R; ++r) dot[r] = _mm512_madd_epi16(pairs[r], _mm512_set1_epi16(1));
 #endif
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(scales + g * kLanes)));
+    const __m512 scale = scales.lanes16(g);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
     }
     if (!kInt8) {
-      const __m512 lowest = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(mins + g * kLanes)));
+      const __m512 lowest = mins.lanes16(g);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
     }
@@ -387,7 +429,7 @@ inline void int8_quad_s8(const uint8_t* bytes, int t, __m256i w[2]) {
 // group; maddubs pairs <= 3,810 and 8 quads of them <= 30,480 in int16; int8 (AVX-VNNI only)
 // |sum (xq + 128) q| <= 1,044,480.
 template <bool kInt8, int R>
-void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t* mins,
+void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
   __m256 acc[R][2];
@@ -444,9 +486,7 @@ void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t*
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones16);
 #endif
-    __m256 scale[2] = {
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes))),
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kLanes + 8)))};
+    __m256 scale[2] = {scales.lanes8(g, 0), scales.lanes8(g, 1)};
     if (kInt8) {  // the lane order of int8_quad_s8: 0-3 | 8-11 and 4-7 | 12-15
       const __m256 natural[2] = {scale[0], scale[1]};
       scale[0] = _mm256_permute2f128_ps(natural[0], natural[1], 0x20);
@@ -460,8 +500,7 @@ void block_rows_x8(const uint8_t* block, const uint16_t* scales, const uint16_t*
       }
     if (!kInt8)
       for (int h = 0; h < 2; ++h) {
-        const __m256 lowest = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kLanes + 8 * h)));
+        const __m256 lowest = mins.lanes8(g, h);
         for (int r = 0; r < R; ++r)
           acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
                                       acc[r][h]);
@@ -513,10 +552,10 @@ inline void row_passes(int64_t rows, const Pass& pass) {
   }
 }
 
-// out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else nullptr).
+// out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else empty).
 template <bool kInt8>
 at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
-                          const uint16_t* s, const uint16_t* mn) {
+                          GroupLanes s, GroupLanes mn) {
   const int64_t cols = groups * kGroup;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -528,8 +567,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   constexpr int64_t bytes = kBytesPerGroup<kInt8>;
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
-  auto block_s = [&](int64_t b) { return s + b * groups * kLanes; };
-  auto block_m = [&](int64_t b) { return kInt8 ? nullptr : mn + b * groups * kLanes; };
+  auto block_s = [&](int64_t b) { return s.block(b, groups); };
+  auto block_m = [&](int64_t b) { return kInt8 ? GroupLanes{} : mn.block(b, groups); };
   if constexpr (kHasX8Kernel<kInt8>) {
     if (bits == 8) {
       const Int8Activations a = quantize_activations_int8(x.data_ptr<float>(), rows, cols,
@@ -559,11 +598,20 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   return out;
 }
 
-// Blocked scales/mins: contiguous float16 [blocks, groups, 16].
-void check_lanes(const at::Tensor& t, int64_t blocks, int64_t groups, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 &&
-                  t.size(0) == blocks && t.size(1) == groups && t.size(2) == kLanes,
-              "blocked ", what, " must be contiguous float16 [N / 16, K / 32, 16]");
+// Blocked scales/mins: contiguous float16 [blocks, groups, 16], or uint8 super-blocks
+// [blocks, groups / 8, 160] (GroupLanes).
+GroupLanes group_lanes(const at::Tensor& t, int64_t blocks, int64_t groups, const char* what) {
+  TORCH_CHECK(t.defined() && t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks,
+              "blocked ", what, " must be a contiguous [N / 16, ...] tensor");
+  if (t.scalar_type() == at::kByte) {
+    TORCH_CHECK(groups % 8 == 0 && t.size(1) == groups / 8 &&
+                    t.size(2) == GroupLanes::kSuperBytes,
+                "blocked ", what, " in super-blocks must be uint8 [N / 16, K / 256, 160]");
+    return {t.data_ptr<uint8_t>(), true};
+  }
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.size(1) == groups && t.size(2) == kLanes,
+              "blocked ", what, " must be float16 [N / 16, K / 32, 16]");
+  return {reinterpret_cast<const uint8_t*>(halves(t)), false};
 }
 
 void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes,
@@ -577,22 +625,33 @@ void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes
 
 bool is_blocked(const at::Tensor& packed) { return packed.dim() == 3; }
 
+void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t bits) {
+  if (bits == 4) {
+    check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
+  } else {
+    check_blocked(packed, at::kChar, kBytesPerGroup<true>, "int8 (int8)");
+  }
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  group_lanes(scales, blocks, groups, "scales");
+  if (bits == 4) group_lanes(mins, blocks, groups, "int4 mins");
+}
+
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                at::Tensor mins) {
   check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  check_lanes(scales, blocks, groups, "int4 scales");
-  check_lanes(mins, blocks, groups, "int4 mins");
-  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups, halves(scales),
-                               halves(mins));
+  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups,
+                               group_lanes(scales, blocks, groups, "int4 scales"),
+                               group_lanes(mins, blocks, groups, "int4 mins"));
 }
 
 at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
   check_blocked(packed, at::kChar, kBytesPerGroup<true>, "int8 (int8)");
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  check_lanes(scales, blocks, groups, "int8 scales");
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
-                              blocks, groups, halves(scales), nullptr);
+                              blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
+                              GroupLanes{});
 }
 
 // Block `block`'s 16 rows as float32 [16, K] (the tiled path's weights). For each group
@@ -602,13 +661,14 @@ void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t block, float* dst) {
   const int64_t groups = packed.size(1), cols = groups * kGroup;
   const uint8_t* bytes = packed.data_ptr<uint8_t>() + block * groups * kBytesPerGroup<false>;
-  const c10::Half* s = scales.data_ptr<c10::Half>() + block * groups * kLanes;
-  const c10::Half* mn = mins.data_ptr<c10::Half>() + block * groups * kLanes;
+  const int64_t blocks = packed.size(0);
+  const GroupLanes s = group_lanes(scales, blocks, groups, "int4 scales").block(block, groups);
+  const GroupLanes mn = group_lanes(mins, blocks, groups, "int4 mins").block(block, groups);
   for (int64_t g = 0; g < groups; ++g) {
     float scale[kLanes], lowest[kLanes];
     for (int j = 0; j < kLanes; ++j) {
-      scale[j] = s[g * kLanes + j];
-      lowest[j] = mn[g * kLanes + j];
+      scale[j] = s.lane(g, j);
+      lowest[j] = mn.lane(g, j);
     }
 #if defined(__AVX512F__)
     // Per 4 rows j .. j + 3: 16 floats [scale[j] x 4, scale[j + 1] x 4, ...], once a group.
@@ -675,7 +735,8 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int
   const int64_t groups = packed.size(1), cols = groups * kGroup;
   constexpr int64_t bytes_per_group = kBytesPerGroup<true>;
   const int8_t* bytes = packed.data_ptr<int8_t>() + block * groups * bytes_per_group;
-  const uint16_t* s = halves(scales) + block * groups * kLanes;
+  const GroupLanes s =
+      group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // Register i holds pairs 2i and 2i + 1 (M[2i][0..15], M[2i + 1][0..15]). One vpermw
   // interleaves them, dword j = (M[2i][j], M[2i + 1][j]): row j's columns 4i .. 4i + 3,
@@ -722,14 +783,14 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int
         const int j = 2 * k + c / 2;
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarters[c]));
         _mm512_storeu_ps(dst + j * cols + g * kGroup + 16 * (c % 2),
-                         _mm512_mul_ps(q, _mm512_set1_ps(half_to_float(s[g * kLanes + j]))));
+                         _mm512_mul_ps(q, _mm512_set1_ps(s.lane(g, j))));
       }
     }
   }
 #else
   for (int64_t g = 0; g < groups; ++g)
     for (int j = 0; j < kLanes; ++j) {
-      const float scale = half_to_float(s[g * kLanes + j]);
+      const float scale = s.lane(g, j);
       float* y = dst + j * cols + g * kGroup;
       for (int k = 0; k < kGroup; ++k)  // column k = pair k / 2, its value k % 2
         y[k] = scale * static_cast<float>(bytes[g * bytes_per_group + (k / 2) * 32 + 2 * j + k % 2]);

@@ -57,25 +57,31 @@ def test_gguf_file_matches_transformers_under_prefix_hits_chunks_and_preemption(
 
 
 @needs_kernels
-def test_q4_k_m_tensors_stay_in_their_own_formats(tmp_path):
+def test_q4_k_m_tensors_stay_packed_q4_k_repacked_exactly(tmp_path):
     cache = tmp_path / "cache"
     resolved = resolve_model(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), cache_dir=cache)
     model = load_model(resolved.path, torch.float32, "cpu", "auto")
     report = model.gguf_report
-    assert dict(report.packed_types) == {"Q4_K": 13, "Q6_K": 3}
-    assert not report.repacked_types
+    assert dict(report.packed_types) == {"Q6_K": 3}
+    assert dict(report.repacked_types) == {"Q4_K": 13}
     layer = model.model.layers[0]
     # Q4_K_M keeps attn_v and ffn_down of some layers in Q6_K: a stacked qkv then.
     packed = [layer.self_attn.qkv_proj.quantized, layer.self_attn.o_proj.quantized,
               layer.mlp.gate_up_proj.quantized, layer.mlp.down_proj.quantized,
               model.lm_head.quantized, model.model.embed_tokens.packed]
-    assert all(isinstance(p, (GGUFWeight, StackedWeight)) for p in packed)
+    assert all(isinstance(p, (GGUFWeight, StackedWeight, QuantizedWeight)) for p in packed)
+    assert isinstance(layer.mlp.gate_up_proj.quantized, QuantizedWeight)
+    assert layer.mlp.gate_up_proj.quantized.scale_form == "super-blocks"
+    dense = load_model(resolved.path, torch.float32, "cpu", "none")
+    torch.testing.assert_close(layer.mlp.gate_up_proj.quantized.dequantized(),
+                               dense.model.layers[0].mlp.gate_up_proj.weight, atol=0, rtol=0)
     # no dense weight anywhere but the norms: parameters hold a few KB
     dense_elements = sum(p.numel() for p in model.parameters())
     assert dense_elements == 2 * 2 * 256 + 256  # two norms per layer, the final norm
     # every tensor of the file is accounted for, bytes for bytes
     file_bytes = (FIXTURES / "tiny-llama-Q4_K_M.gguf").stat().st_size
-    assert 0.9 * file_bytes < report.packed_bytes <= file_bytes
+    # (a repacked Q4_K block holds 148 bytes per 256 weights against the file's 144)
+    assert 0.9 * file_bytes < report.packed_bytes <= 1.03 * file_bytes
     # the cache holds no weights
     assert sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) < 0.1 * file_bytes
 
@@ -85,7 +91,7 @@ def test_fallback_types_of_a_q4_k_m_file_are_repacked_exactly():
     """Rows of 320 are no K-quant: llama-quantize wrote ffn_down as Q5_0/Q8_0 there."""
     resolved = resolve_model(str(FIXTURES / "tiny-llama-i320-Q4_K_M.gguf"))
     model = load_model(resolved.path, torch.float32, "cpu", "auto")
-    assert dict(model.gguf_report.repacked_types) == {"Q5_0": 1, "Q8_0": 1}
+    assert dict(model.gguf_report.repacked_types) == {"Q4_K": 12, "Q5_0": 1, "Q8_0": 1}
     downs = [layer.mlp.down_proj.quantized for layer in model.model.layers]
     assert all(isinstance(d, QuantizedWeight) and d.spec.method == "int8" for d in downs)
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
@@ -124,14 +130,15 @@ def test_phi3_longrope_file_matches_its_source_checkpoint(tmp_path):
 @needs_kernels
 def test_phi3_fused_tensors_are_served_whole_and_split_when_dense():
     """attn_qkv / ffn_up (gate and up) stay one packed weight each (a Q4_K_M mix: Q4_K in
-    layer 0, Q6_K in layer 1; Q4_0 repacked); unpacked, they load as their q/k/v and
-    gate/up pieces (the tensor-parallel path), to the same values."""
+    layer 0, repacked, Q6_K in layer 1; Q4_0 repacked); unpacked, they load as their q/k/v
+    and gate/up pieces (the tensor-parallel path), to the same values."""
     k_quant = load_model(resolve_model(str(FIXTURES / "tiny-phi3-Q4_K_M.gguf")).path,
                          torch.float32, "cpu", "auto")
-    assert dict(k_quant.gguf_report.packed_types) == {"Q4_K": 7, "Q6_K": 3}
+    assert dict(k_quant.gguf_report.packed_types) == {"Q6_K": 3}
+    assert dict(k_quant.gguf_report.repacked_types) == {"Q4_K": 7}
     for layer in k_quant.model.layers:
-        assert isinstance(layer.self_attn.qkv_proj.quantized, GGUFWeight)
-        assert isinstance(layer.mlp.gate_up_proj.quantized, GGUFWeight)
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            assert isinstance(linear.quantized, (GGUFWeight, QuantizedWeight))
     resolved = resolve_model(str(FIXTURES / "tiny-phi3-Q4_0.gguf"))
     packed = load_model(resolved.path, torch.float32, "cpu", "auto")
     assert dict(packed.gguf_report.repacked_types) == {"Q4_0": 9}

@@ -8,6 +8,7 @@ Parity with `transformers` is test_correctness's, which runs the stack by defaul
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -106,14 +107,17 @@ def test_models_the_stack_does_not_cover_run_the_modules(tmp_path, monkeypatch):
                                   "tiny-llama-i320-Q4_K_M.gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_stack_serves_gguf_blocks_as_the_modules_do(monkeypatch, name, dtype):
-    """GGUF K-quant weights (and a stacked qkv of Q4_K + Q6_K pieces, and Q5_0/Q8_0
-    repacks) in the stack: the modules' tokens and logprobs, bit for bit."""
+    """GGUF K-quant weights (Q6_K in place, Q4_K repacked into blocked int4, a stacked qkv
+    of Q4_K + Q6_K pieces, and Q5_0/Q8_0 repacks) in the stack: the modules' tokens and
+    logprobs, bit for bit, with as many kernel calls of each kind."""
     path = Path(__file__).parents[1] / "data" / "gguf" / name
-    before = KERNEL_CALLS["Q4_K"]
+    before = Counter(KERNEL_CALLS)
     tokens, logprobs, steps = generate(path, monkeypatch, True, dtype=dtype)
-    fused_q4k = KERNEL_CALLS["Q4_K"] - before
+    fused_calls = Counter(KERNEL_CALLS) - before
     ref_tokens, ref_logprobs, ref_steps = generate(path, monkeypatch, False, dtype=dtype)
+    modules_calls = Counter(KERNEL_CALLS) - before - fused_calls
     assert tokens == ref_tokens
     assert logprobs == ref_logprobs
     assert steps["fused"] >= PARAMS.max_tokens - 1 and ref_steps["fused"] == 0
-    assert fused_q4k == KERNEL_CALLS["Q4_K"] - before - fused_q4k > 0
+    for kind in ("int4", "Q6_K"):  # Q4_K repacked: int4
+        assert fused_calls[kind] == modules_calls[kind] > 0, kind

@@ -8,42 +8,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 import pagedserve_kernels.cpu_kernels
 from engine.models.quant import QuantSpec, quantize
+from tests.support.gguf_rows import random_gguf_rows
 
 needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
          T.Q6_K, T.IQ4_XS, T.F16, T.BF16, T.F32]
-# Byte offsets of each block's float16 fields (d, and dmin / m where the type has one).
-_HALF_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-                T.IQ4_NL: [0], T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-                T.Q6_K: [208], T.IQ4_XS: [0]}
-
-
-def random_gguf_rows(ggml_type: GGMLQuantizationType, rows: int, cols: int,
-                     seed: int = 0) -> np.ndarray:
-    """uint8 [rows, row_bytes]: random blocks of `ggml_type` with finite, moderate scales."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[ggml_type]
-    if ggml_type in (T.F16, T.F32, T.BF16):
-        values = rng.standard_normal((rows, cols)).astype(np.float32)
-        if ggml_type == T.F16:
-            return values.astype(np.float16).view(np.uint8)
-        if ggml_type == T.BF16:
-            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-        return values.view(np.uint8)
-    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset in _HALF_FIELDS[ggml_type]:
-        halves = rng.uniform(0.002, 0.02, size=blocks.shape[:2]).astype(np.float16)
-        blocks[..., offset:offset + 2] = halves[..., None].view(np.uint8)
-    return blocks.reshape(rows, cols // block * size)
-
-
 def reference_linear(x: torch.Tensor, raw: np.ndarray, ggml_type) -> torch.Tensor:
     weight = torch.from_numpy(dequantize(raw, ggml_type).astype(np.float64))
     return x.double() @ weight.T
@@ -138,3 +114,52 @@ def test_quant_tiled_linear_matches_dequantized_weight(spec, dtype, out_features
     expected = x @ q.dequantized().to(dtype).T
     torch.testing.assert_close(out, expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_q4k_repacked_into_blocked_int4_matches_reference(activations):
+    """GGUF Q4_K as the loader holds it (blocked int4, scales d * sc and mins -dmin * m as
+    super-block lanes): dequantized exactly as gguf-py, the few-row kernel against the
+    int4 kernels' reference, batch invariant, the tiled path against the dense weight."""
+    from engine.models.gguf_weight import repack
+    from engine.models.quant import unpack_int4
+    from pagedserve_kernels.cpu_kernels import activation_precision, set_activation_precision
+    from pagedserve_kernels.reference import quant_linear_ref
+
+    raw = random_gguf_rows(T.Q4_K, 48, 768, seed=11)
+    w = repack(raw, T.Q4_K, max_rows=16)
+    assert w.blocked and w.scale_form == "super-blocks"
+    assert w.num_bytes < 1.03 * raw.nbytes  # 148 bytes per 256 weights against 144
+    dense = torch.from_numpy(dequantize(raw, T.Q4_K).astype(np.float32))
+    assert torch.equal(w.dequantized(), dense)
+    ids = torch.tensor([0, 17, 47])
+    assert torch.equal(w.dequantize_rows(ids), dense[ids])
+    data, scales, mins = w.canonical()
+    before = activation_precision()
+    set_activation_precision(activations)
+    try:
+        for rows in (1, 3, 9, 16):
+            x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+            out = w.matmul(x, None)
+            expected = quant_linear_ref(x, unpack_int4(data), scales, mins,
+                                        bits=8 if activations == "int8" else 16)
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+            assert torch.equal(w.matmul(x[-1:].contiguous(), None)[0], out[-1])
+    finally:
+        set_activation_precision(before)
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(1))  # past max_rows: tiled
+    torch.testing.assert_close(w.matmul(x, None), x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_q4k_super_block_lanes_of_the_wrong_shape_are_refused():
+    from engine.models.gguf_weight import repack
+
+    ops = pagedserve_kernels.cpu_kernels.cpu_kernels()
+    w = repack(random_gguf_rows(T.Q4_K, 32, 512), T.Q4_K)
+    x = torch.zeros(1, 512)
+    with pytest.raises(RuntimeError, match="super-blocks"):
+        ops.int4_linear(x, w.data, w.scales[:, :1].contiguous(), w.mins)
+    with pytest.raises(RuntimeError, match="super-blocks"):
+        ops.quant_tiled_linear(x, w.data, w.scales, w.mins[..., :100].contiguous(), 4)

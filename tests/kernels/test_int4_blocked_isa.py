@@ -3,18 +3,24 @@
 The server builds pagedserve_kernels/cpu/ with -march=native, so one machine runs one version of
 pagedserve_kernels/cpu/quant_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
 is also built for AVX2 only, AVX-512 without VNNI and no SIMD at all, and checked against
-the reference, bitwise batch invariance and the tiled path's block decoders included.
+the reference, bitwise batch invariance and the tiled path's block decoders included, for
+float16 scales and for GGUF Q4_K's super-block scales.
 Three extra compiles (~40 s each): extended.
 """
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
 
+from engine.models.gguf_weight import repack
 from engine.models.quant import QuantSpec, quantize, unpack_int4
 from pagedserve_kernels.reference import quant_linear_ref
+from tests.support.gguf_rows import random_gguf_rows
 from tests.support.isa_builds import build_for_isa
 
 BINDING = r"""
@@ -75,3 +81,15 @@ def test_blocked_builds_match_the_reference(isa, tmp_path):
                 assert torch.equal(ext.linear(x[m:m + 1], w.data, w.scales, w.mins)[0], out[m])
         torch.testing.assert_close(ext.decode_all(w.data, w.scales, w.mins), w.dequantized(),
                                    atol=1e-6, rtol=1e-6)
+    # GGUF Q4_K repacked: the same kernels with super-block scales (d * sc, -dmin * m)
+    raw = random_gguf_rows(T.Q4_K, 48, 512, seed=3)
+    w = repack(raw, T.Q4_K, max_rows=64)
+    data, scales, mins = w.canonical()
+    for rows in (1, 3, 8, 13):
+        x = torch.randn(rows, 512)
+        out = ext.linear(x, w.data, w.scales, w.mins)
+        torch.testing.assert_close(out, quant_linear_ref(x, unpack_int4(data), scales, mins),
+                                   atol=1e-4, rtol=1e-5)
+        assert torch.equal(ext.linear(x[-1:], w.data, w.scales, w.mins)[0], out[-1])
+    assert torch.equal(ext.decode_all(w.data, w.scales, w.mins),
+                       torch.from_numpy(dequantize(raw, T.Q4_K).astype(np.float32)))
