@@ -15,9 +15,9 @@ from the cache, as in a real forward pass. Prints the CPU's SIMD flags first.
 int4 / int8 weights whose output count is a multiple of 16 (all of these) are held in
 blocks of 16 output rows (pagedserve_kernels/cpu/quant_blocked.cpp), as the server holds them;
 "int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
-layout for comparison. "Q4_K-repacked" is a random Q4_K weight as the GGUF loader holds it
-(engine.models.gguf_weight.repack: blocked int4 with super-block scales), "Q4_K" the same
-type on gguf_linear.cpp's kernel. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
+layout for comparison. "Q4_K-repacked" / "Q6_K-repacked" are random Q4_K / Q6_K weights as
+the GGUF loader holds them (engine.models.gguf_weight.repack: blocked int4 / int8 with
+super-block scales), "Q4_K" / "Q6_K" the same types on gguf_linear.cpp's kernels. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
 Q8_0 in its GGUF, so int8) instead of the layer.
 
 `--activations int16 int8` compares the few-row kernels' activation precisions
@@ -54,7 +54,7 @@ SHAPE_SETS = {
     "lm_head": {"lm_head": (49152, 576)},
 }
 PACKED = ("int4", "int8", "int4-rowmajor", "int8-rowmajor")  # engine.models.quant formats
-REPACKED = ("Q4_K-repacked",)  # GGUF types the loader repacks into blocked int4
+REPACKED = ("Q4_K-repacked", "Q6_K-repacked")  # GGUF types the loader repacks (blocked int4/int8)
 LAYERS = 8  # copies of the weights, cycled so that they come from memory
 
 
@@ -103,7 +103,7 @@ def run_layer(ops, fmt: str, weights: dict, xs: dict, tiled: bool) -> None:
         x = xs[name]
         if fmt in PACKED or fmt in REPACKED:
             data, scales, mins = w
-            int4 = fmt.startswith("int4") or fmt in REPACKED
+            int4 = fmt.startswith("int4") or fmt == "Q4_K-repacked"
             if tiled:
                 ops.quant_tiled_linear(x, data, scales, mins if int4 else torch.empty(0),
                                        4 if int4 else 8)

@@ -142,16 +142,21 @@ def quantize_activations_ref(x: torch.Tensor, group: int = 32, bits: int = 16
 def quant_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                      mins: torch.Tensor | None, group: int = 32, bits: int = 16) -> torch.Tensor:
     """The quantized linear kernels' arithmetic: x float32 [M, K], weight integers
-    q [N, K] (int4: 0..15, int8: signed), scales and mins [N, K / group] (float16),
-    activations rounded to `bits` (16 or 8) ->
+    q [N, K] (int4: 0..15, int8: signed), scales [N, K / S] and mins [N, K / group] (float16,
+    or float32 from super-block lanes), activations rounded per `group` to `bits` (16 or 8) ->
 
-        out[m, n] = sum_g scales[n, g] dx[m, g] (q[n, g] . xq[m, g]) + mins[n, g] sums[m, g]
+        out[m, n] = sum_s scales[n, s] dx[m, g(s)] (q[n, s] . xq[m, s]) + mins[n, g] sums[m, g]
+
+    over scale segments s of S columns (S = group, or GGUF Q6_K's 16: two per group g(s)).
     """
     xq, dx, sums = quantize_activations_ref(x, group, bits)
-    rows, num_groups = dx.shape
-    qg = q.float().view(q.shape[0], num_groups, group)
-    dots = torch.einsum("mgk,ngk->mng", xq, qg)  # integers, exact in float32
-    out = (dots * scales.float().unsqueeze(0) * dx.unsqueeze(1)).sum(dim=-1)
+    rows = x.shape[0]
+    segments = scales.shape[1]
+    width = x.shape[1] // segments
+    qs = q.float().view(q.shape[0], segments, width)
+    dots = torch.einsum("msk,nsk->mns", xq.reshape(rows, segments, width), qs)  # exact in float32
+    dx_segments = dx.repeat_interleave(group // width, dim=1)
+    out = (dots * scales.float().unsqueeze(0) * dx_segments.unsqueeze(1)).sum(dim=-1)
     if mins is not None:
         out = out + sums @ mins.float().T
     return out

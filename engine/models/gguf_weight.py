@@ -42,6 +42,7 @@ from engine.models.quant import (
     QuantizedWeight,
     QuantSpec,
     block_int4_values,
+    block_q6k_values,
     default_max_rows,
     kernel_kind,
     super_block_lanes,
@@ -50,16 +51,18 @@ from engine.models.quant import (
 T = GGMLQuantizationType
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], dtype=np.int8)
-# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K only with a
-# multiple of 16 rows: `repacks`).
+# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K and Q6_K only
+# with a multiple of 16 rows: `repacks`).
 REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("int4"),
                   T.Q8_0: QuantSpec("int8"), T.Q5_0: QuantSpec("int8"),
-                  T.IQ4_NL: QuantSpec("int8"), T.Q4_K: QuantSpec("int4")}
+                  T.IQ4_NL: QuantSpec("int8"), T.Q4_K: QuantSpec("int4"),
+                  T.Q6_K: QuantSpec("int8")}
 
 
 def repacks(ggml_type: GGMLQuantizationType, rows: int) -> bool:
     """Whether a tensor of this type and number of rows (output features) is repacked."""
-    return ggml_type in REPACKED_SPECS and (ggml_type != T.Q4_K or rows % BLOCK_ROWS == 0)
+    return ggml_type in REPACKED_SPECS and (ggml_type not in (T.Q4_K, T.Q6_K)
+                                            or rows % BLOCK_ROWS == 0)
 
 
 def _kernels():
@@ -155,6 +158,8 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
     if ggml_type == T.Q4_K:
         return _repack_q4k(blocks, d, spec, max_rows)
+    if ggml_type == T.Q6_K:
+        return _repack_q6k(blocks, spec, max_rows)
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:
@@ -201,6 +206,28 @@ def _repack_q4k(blocks: np.ndarray, d: np.ndarray, spec: QuantSpec,
         super_block_lanes(torch.from_numpy(d.copy()), torch.from_numpy(sc.reshape(n, groups))),
         super_block_lanes(torch.from_numpy(-dmin), torch.from_numpy(m.reshape(n, groups))),
         max_rows)
+
+
+def _repack_q6k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
+    """Q6_K blocks (uint8 [N, K / 256, 210]: ql[128] | qh[64] | int8 scales[16] | half d) as
+    blocked int8 q - 32 held in six bits (block_q6k_values) with super-block lanes of 16
+    signed scales. Per half h of 128,
+    element 32 t + l takes the low (t = 0, 1) or high (t = 2, 3) nibble of
+    ql[64 h + 32 (t % 2) + l] and bits 2t, 2t + 1 of qh[32 h + l] above it; element e's
+    scale is scales[e // 16]. Example: ql[0] = 0x5A, qh[0] = 0x12: element 0 is
+    0xA | 2 << 4 = 42 (value 10), element 64 0x5 | 1 << 4 = 21 (bits 4, 5: value -11).
+    """
+    n, supers = blocks.shape[0], blocks.shape[1]
+    ql = blocks[..., :128].reshape(n, supers, 2, 1, 2, 32)  # [h, -, t % 2, l]
+    qh = blocks[..., 128:192].reshape(n, supers, 2, 1, 32)  # [h, -, l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3).reshape(n, supers, 2, 4, 32)  # [h, t, l]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
+    q = low | (((qh >> shifts) & 3) << 4)
+    scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, supers * 16)
+    d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).reshape(n, supers)
+    return QuantizedWeight(spec, block_q6k_values(torch.from_numpy(q.reshape(n, supers * 256))),
+                           super_block_lanes(torch.from_numpy(d), torch.from_numpy(scales)),
+                           None, max_rows)
 
 
 def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:

@@ -149,12 +149,21 @@ class QuantizedWeight:
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(data, scales, mins) of output rows `ids` (all for None) in the row-major layout
         (int4 [N, K / 2], int8 [N, K]; scales and mins [N, K / 32], float32 for
-        super-block lanes, else float16)."""
+        super-block lanes, else float16; Q6_K's scales [N, K / 16])."""
         if self.blocked:
-            scales, mins = _lane_values(self.scales), _lane_values(self.mins)
+            data, scales, mins = self.data, self.scales, self.mins
+            if ids is not None and scales.dtype == torch.uint8:
+                # Super-block lanes (and Q6_K's 6-bit data) are decoded for the blocks of
+                # `ids` only: they become blocks 0..R-1 of their own, row i in block i.
+                # Example: ids [40, 3] -> blocks [2, 0], lanes [8, 3], new ids [8, 19].
+                block = ids // BLOCK_ROWS
+                data, scales = data[block], scales[block]
+                mins = None if mins is None else mins[block]
+                ids = torch.arange(ids.numel()) * BLOCK_ROWS + ids % BLOCK_ROWS
+            scales, mins = _lane_values(scales), _lane_values(mins)
             if self.spec.method == "int4":
-                return unblock_int4(self.data, scales, mins, ids)
-            return (*unblock_int8(self.data, scales, ids), None)
+                return unblock_int4(data, scales, mins, ids)
+            return (*unblock_int8(int8_layout(data), scales, ids), None)
         if ids is None:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
@@ -203,10 +212,11 @@ class QuantizedWeight:
         """Rows `ids` (all rows for None) of the float32 weight: an embedding lookup."""
         data, scales, mins = self.canonical(ids)
         n, k = data.shape[0], self.in_features
+        segments = scales.shape[1]  # K / 32, or K / 16 (GGUF Q6_K's 16-column scales)
         if self.spec.method == "int8":
-            q = data.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+            q = data.view(n, segments, k // segments).float()
         else:
-            q = unpack_int4(data).view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+            q = unpack_int4(data).view(n, segments, k // segments).float()
         weight = q * scales.float().unsqueeze(-1)
         if mins is not None:
             weight = weight + mins.float().unsqueeze(-1)
@@ -318,30 +328,38 @@ SUPER_BLOCK_GROUPS = 8  # groups of 32 per K-quant super-block (256 columns)
 
 
 def super_block_lanes(d: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per-group values d[n, s] * k[n, g] in quant_blocked.cpp's super-block lanes.
+    """Per-segment values d[n, s] * k[n, i] in quant_blocked.cpp's super-block lanes.
 
-    d: float16 [N, K / 256] (one per super-block s), k: uint8 [N, K / 32] (one per group
-    g, s = g // 8) -> uint8 [N / 16, K / 256, 160]: per block b and super-block s, d of the
-    16 rows (float16, bytes 0..31), then k[i][j] for group 8 s + i, lane j (row 16 b + j).
-    Example: GGUF Q4_K's scales are d * sc_g (d its float16 d, sc_g a 6-bit scale), its
-    mins -dmin * m_g; d = 0.5 and k = 7 stand for 3.5, exactly (float32 holds the product).
+    d: float16 [N, K / 256] (one per super-block s); k one per segment i of 32 columns
+    (uint8 [N, K / 32], GGUF Q4_K) or of 16 (int8 [N, K / 16], GGUF Q6_K), 8 or 16 per
+    super-block -> uint8 [N / 16, K / 256, 160 or 288]: per block b and super-block s, d of
+    the 16 rows (float16, bytes 0..31), then the bytes of k[i][j] for segment i of s, lane
+    j (row 16 b + j). Example: Q4_K's scales are d * sc (sc a 6-bit scale), its mins
+    -dmin * m; d = 0.5 and k = 7 stand for 3.5, exactly (float32 holds the product).
     """
     n, supers = d.shape
+    per_super = k.shape[1] // supers
     d_lanes = d.view(n // BLOCK_ROWS, BLOCK_ROWS, supers).transpose(1, 2)  # [B, S, 16]
-    k_lanes = k.view(n // BLOCK_ROWS, BLOCK_ROWS, supers, SUPER_BLOCK_GROUPS).permute(0, 2, 3, 1)
+    k_lanes = k.view(torch.uint8).view(n // BLOCK_ROWS, BLOCK_ROWS, supers, per_super)
+    k_lanes = k_lanes.permute(0, 2, 3, 1)  # [B, S, segment, lane]
     d_bytes = d_lanes.contiguous().view(torch.uint8)  # [B, S, 32]
     return torch.cat([d_bytes, k_lanes.reshape(n // BLOCK_ROWS, supers, -1)], dim=-1).contiguous()
 
 
 def _lane_values(lanes: torch.Tensor | None) -> torch.Tensor | None:
-    """Blocked scales or mins as values [N / 16, K / 32, 16]: float16 as they are, super-block
-    lanes expanded to float32 (d * k, exact)."""
+    """Blocked scales or mins as values [N / 16, segments, 16]: float16 as they are,
+    super-block lanes expanded to float32 (d * k, exact; k signed in Q6_K's 16-column
+    segments, unsigned in Q4_K's 32-column ones)."""
     if lanes is None or lanes.dtype != torch.uint8:
         return lanes
     blocks, supers = lanes.shape[0], lanes.shape[1]
     d = lanes[..., :2 * BLOCK_ROWS].contiguous().view(torch.float16).float()  # [B, S, 16]
-    k = lanes[..., 2 * BLOCK_ROWS:].reshape(blocks, supers, SUPER_BLOCK_GROUPS, BLOCK_ROWS).float()
-    return (d.unsqueeze(2) * k).reshape(blocks, supers * SUPER_BLOCK_GROUPS, BLOCK_ROWS)
+    k = lanes[..., 2 * BLOCK_ROWS:].contiguous()
+    per_super = k.shape[-1] // BLOCK_ROWS
+    if per_super == 2 * SUPER_BLOCK_GROUPS:
+        k = k.view(torch.int8)
+    k = k.view(blocks, supers, per_super, BLOCK_ROWS).float()
+    return (d.unsqueeze(2) * k).reshape(blocks, supers * per_super, BLOCK_ROWS)
 
 
 def _group_lanes(per_group: torch.Tensor) -> torch.Tensor:
@@ -380,6 +398,43 @@ def block_int8(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
     q = q.permute(0, 2, 3, 1, 4)  # [block, group, pair, lane, 2 values]
     blocked = q.reshape(n // BLOCK_ROWS, groups, BLOCK_ROWS * GROUP_SIZE).contiguous()
     return blocked, _group_lanes(scales)
+
+
+Q6K_QUAD_BYTES = 48  # a quad of 16 rows x 4 six-bit weights
+
+
+def block_q6k_values(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..63 [N, K] (GGUF Q6_K's q; the weight is q - 32) -> int8
+    [N / 16, K / 32, 384], quant_blocked.cpp's Q6_K layout: per quad t of a group, the int8
+    layout's 64 byte positions P = 32 p + 2 j + i (lane j, column 4 t + 2 p + i) in 48
+    bytes: byte b < 32 holds P = b's low four bits | P = 32 + b's << 4, byte 32 + k the
+    high two bits of P = k, 16 + k, 32 + k, 48 + k at bits 0, 2, 4, 6.
+    Example: positions 0 and 32 holding 42 and 21 (weights 10 and -11): byte 0 = 0x5A,
+    and byte 32 has 2 at bits 0-1 and 1 at bits 4-5.
+    """
+    n, k = q.shape
+    groups = k // GROUP_SIZE
+    cols = q.reshape(n // BLOCK_ROWS, BLOCK_ROWS, groups, 8, 2, 2)  # [B, j, G, t, p, i]
+    positions = cols.permute(0, 2, 3, 4, 1, 5).reshape(n // BLOCK_ROWS, groups, 8, 64)
+    low, top = positions & 0x0F, positions >> 4
+    nibbles = low[..., :32] | (low[..., 32:] << 4)
+    quarters = top.view(n // BLOCK_ROWS, groups, 8, 4, 16)  # P = 16 s + k
+    high = (quarters[..., 0, :] | (quarters[..., 1, :] << 2) | (quarters[..., 2, :] << 4)
+            | (quarters[..., 3, :] << 6))
+    quads = torch.cat([nibbles, high], dim=-1)  # [B, G, 8, 48]
+    return quads.reshape(n // BLOCK_ROWS, groups, 8 * Q6K_QUAD_BYTES).view(torch.int8).contiguous()
+
+
+def int8_layout(blocked: torch.Tensor) -> torch.Tensor:
+    """Blocked int8 weights as block_int8's layout (Q6_K's 6-bit layout decoded)."""
+    if blocked.shape[2] != 8 * Q6K_QUAD_BYTES:
+        return blocked
+    quads = blocked.view(torch.uint8).view(blocked.shape[0], blocked.shape[1], 8, Q6K_QUAD_BYTES)
+    nibbles, high = quads[..., :32], quads[..., 32:]
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+    top = torch.cat([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    q = (low | (top << 4)).to(torch.int8) - 32
+    return q.reshape(blocked.shape[0], blocked.shape[1], 512)
 
 
 def unblock_int8(blocked: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None = None

@@ -30,7 +30,10 @@
 // after another, 16 rows each. Example, q[j, 0..3] = (1, -2, 3, 4) for every j: bytes
 // 0 .. 31 of block 0, group 0 are 0x01 0xFE 0x01 0xFE ..., bytes 32 .. 63 0x03 0x04 ...
 // Scales (and int4's mins) are float16 [N / 16, G, 16] (lane j of group g = row 16 b + j),
-// or K-quant super-blocks of 8 groups (GroupLanes below: Q4_K repacked exactly).
+// or K-quant super-blocks of 8 groups (GroupLanes below). GGUF Q4_K is repacked exactly into
+// the int4 layout with such scales; GGUF Q6_K into a six-bit form of the int8 layout (q - 32,
+// 384 bytes per group, decoded to the 512 a group at a time: decode_q6k_group) with a scale
+// per 16 columns.
 // engine.models.quant.block_int4 / block_int8 build these layouts from quant_linear.cpp's.
 //
 // Arithmetic (the same as quant_linear.cpp, so the same reference): x is rounded per row
@@ -84,50 +87,152 @@ constexpr int64_t kLanes = 16;
 template <bool kInt8>
 constexpr int64_t kBytesPerGroup = kInt8 ? 512 : 256;
 
+// GGUF Q6_K repacked (engine.models.quant.block_q6k_values): the int8 layout's weights
+// q - 32 (q 0..63) in 6 bits, 48 bytes per quad t of a group instead of 64, decoded to the
+// int8 quad bytes before use. Of the int8 quad's 64 byte positions P (P = 32 p + 2 j + i:
+// lane j's column 4 t + 2 p + i), bytes 0..31 of the stored quad hold the low nibbles
+// (position b in the low nibble of byte b, position 32 + b in its high nibble, as the int4
+// layout pairs them) and bytes 32..47 the high two bits: those of position P are bits
+// 2 (P / 16), 2 (P / 16) + 1 of byte 32 + P % 16.
+// Example: stored byte 0 = 0x5A, byte 32 = 0x12: position 0 is 0xA | 2 << 4 = 42 (weight
+// 10), position 32 (bits 4, 5) is 0x5 | 1 << 4 = 21 (weight -11).
+constexpr int64_t kQ6kQuadBytes = 48, kQ6kGroupBytes = 8 * kQ6kQuadBytes;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Quad t of a Q6_K group as the int8 layout's 64 bytes of that quad.
+inline __m512i q6k_quad(const uint8_t* group, int t) {
+  const uint8_t* src = group + t * kQ6kQuadBytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+  // 128-bit lane c holds positions 16 c .. 16 c + 15: their bits sit 2 c up.
+  const __m512i high =
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32)));
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0x20002, 0x20002, 0x20002, 0x20002,
+                                           0x40004, 0x40004, 0x40004, 0x40004,
+                                           0x60006, 0x60006, 0x60006, 0x60006);
+  const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(high, shifts), _mm512_set1_epi8(3));
+  return _mm512_sub_epi8(_mm512_or_si512(nibbles, _mm512_slli_epi16(top, 4)),
+                         _mm512_set1_epi8(32));
+}
+#endif
+#if defined(__AVX2__)
+// The same in two halves: q[0] = positions 0..31, q[1] = 32..63.
+inline void q6k_quad(const uint8_t* group, int t, __m256i q[2]) {
+  const uint8_t* src = group + t * kQ6kQuadBytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i high =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32)));
+  // positions 0..31: bits 0, 1 (the first 16) and 2, 3; positions 32..63: 4, 5 and 6, 7
+  const __m256i top01 =
+      _mm256_and_si256(_mm256_blend_epi32(high, _mm256_srli_epi16(high, 2), 0xF0), three);
+  const __m256i top23 = _mm256_and_si256(
+      _mm256_blend_epi32(_mm256_srli_epi16(high, 4), _mm256_srli_epi16(high, 6), 0xF0), three);
+  const __m256i bias = _mm256_set1_epi8(32);
+  q[0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, low4), _mm256_slli_epi16(top01, 4)),
+                         bias);
+  q[1] = _mm256_sub_epi8(
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_slli_epi16(top23, 4)),
+      bias);
+}
+#endif
+
+// One Q6_K group (384 bytes) -> the int8 layout's 512 bytes of that group.
+inline void decode_q6k_group(const uint8_t* src, uint8_t* dst) {
+  for (int t = 0; t < 8; ++t) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    _mm512_storeu_si512(dst + 64 * t, q6k_quad(src, t));
+#elif defined(__AVX2__)
+    __m256i q[2];
+    q6k_quad(src, t, q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * t), q[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * t + 32), q[1]);
+#else
+    const uint8_t* quad = src + t * kQ6kQuadBytes;
+    for (int position = 0; position < 64; ++position) {
+      const uint8_t nibble = position < 32 ? quad[position] & 15 : quad[position - 32] >> 4;
+      const uint8_t top = (quad[32 + position % 16] >> (2 * (position / 16))) & 3;
+      dst[64 * t + position] = static_cast<uint8_t>((nibble | top << 4) - 32);
+    }
+#endif
+  }
+}
+
+// Group g's bytes in a block: kQ6k 384 of them (6-bit), else 256 / 512.
+template <bool kInt8, bool kQ6k>
+inline const uint8_t* group_at(const uint8_t* block, int64_t g) {
+  return block + g * (kQ6k ? kQ6kGroupBytes : kBytesPerGroup<kInt8>);
+}
+
+// Group g's bytes as the kernels read them: in place, or (kQ6k) decoded into `buffer` (512
+// bytes of the int8 layout; decoding a group at a time measured faster here than decoding
+// each quad into registers where it is used).
+template <bool kInt8, bool kQ6k>
+inline const uint8_t* group_bytes(const uint8_t* block, int64_t g, uint8_t* buffer) {
+  if constexpr (kQ6k) {
+    decode_q6k_group(group_at<kInt8, kQ6k>(block, g), buffer);
+    return buffer;
+  }
+  return group_at<kInt8, kQ6k>(block, g);
+}
+
+
 // Where one block's per-group scales (or int4's mins) come from; lane j = output row
-// 16 b + j. Two forms:
+// 16 b + j. A group's scale covers its 32 columns, or (`segments` 2) each half of them.
+// Three forms, told apart by the tensor (group_lanes):
 //   float16 [G, 16] (quant.py's int4/int8, the repacked 32-block GGUF types);
-//   super-blocks of 8 groups, uint8 [G / 8, 160] (GGUF Q4_K repacked exactly:
-//   engine.models.gguf_weight.repack): per super-block s, float16 d[16] in bytes 0..31,
-//   then uint8 k[8][16]; group 8 s + i's value in lane j is d[j] * k[i][j], exact in
-//   float32 (an 11-bit significand times a 6-bit integer). Q4_K's mins hold -dmin and m.
-//   Example: d[3] = 0.5, k[2][3] = 7: lane 3 of group 8 s + 2 is 3.5.
+//   super-blocks of 8 groups (256 columns) with a float16 d[16] in bytes 0..31, then one
+//   8-bit k per segment and lane, the value being d[j] * k, exact in float32 (an 11-bit
+//   significand times an 8-bit integer). engine.models.gguf_weight.repack builds them:
+//   - GGUF Q4_K, uint8 [G / 8, 160]: k[i][j] unsigned (6-bit sc) for group 8 s + i, one
+//     segment; the mins hold -dmin and m the same way;
+//   - GGUF Q6_K, uint8 [G / 8, 288]: k[2 i + h][j] signed (int8 sc) for half h of group
+//     8 s + i (columns 16 h .. 16 h + 15 of it): two segments.
+//   Example (Q4_K): d[3] = 0.5, k[2][3] = 7: lane 3 of group 8 s + 2 is 3.5.
 // Every path (scalar, 8 or 16 lanes) forms the same float32 values.
 struct GroupLanes {
-  static constexpr int64_t kSuperBytes = 160;
+  static constexpr int64_t kQ4kBytes = 160, kQ6kBytes = 288;
   const uint8_t* p = nullptr;
-  bool super_blocks = false;
+  int64_t super_bytes = 0;  // 0: float16 lanes; else kQ4kBytes or kQ6kBytes
+  int segments = 1;
 
   // Block b's lanes, for a weight of `groups` groups per row.
   GroupLanes block(int64_t b, int64_t groups) const {
-    const int64_t bytes = super_blocks ? groups / 8 * kSuperBytes : groups * kLanes * 2;
-    return {p + b * bytes, super_blocks};
+    const int64_t bytes = super_bytes ? groups / 8 * super_bytes : groups * kLanes * 2;
+    return {p + b * bytes, super_bytes, segments};
   }
-  float lane(int64_t g, int j) const {
-    if (!super_blocks) return half_to_float(reinterpret_cast<const uint16_t*>(p)[g * kLanes + j]);
-    const uint8_t* s = p + (g / 8) * kSuperBytes;
-    return half_to_float(reinterpret_cast<const uint16_t*>(s)[j]) *
-           static_cast<float>(s[32 + 16 * (g % 8) + j]);
+  // Super-block lanes: the 16 k of group g's segment `seg`.
+  const uint8_t* k_of(int64_t g, int seg) const {
+    return p + (g / 8) * super_bytes + 32 + 16 * (segments * (g % 8) + seg);
+  }
+  const uint8_t* d_of(int64_t g) const { return p + (g / 8) * super_bytes; }
+  float lane(int64_t g, int j, int seg = 0) const {
+    if (!super_bytes) return half_to_float(reinterpret_cast<const uint16_t*>(p)[g * kLanes + j]);
+    const uint8_t k = k_of(g, seg)[j];
+    return half_to_float(reinterpret_cast<const uint16_t*>(d_of(g))[j]) *
+           static_cast<float>(segments == 2 ? static_cast<int8_t>(k) : k);
   }
 #if defined(__AVX512F__) && defined(__F16C__)
-  __m512 lanes16(int64_t g) const {
-    if (!super_blocks)
+  __m512 lanes16(int64_t g, int seg = 0) const {
+    if (!super_bytes)
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g)));
-    const uint8_t* s = p + (g / 8) * kSuperBytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    const __m128i k = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + 16 * (g % 8)));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_of(g))));
+    const __m128i k = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k_of(g, seg)));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(segments == 2 ? _mm512_cvtepi8_epi32(k)
+                                                             : _mm512_cvtepu8_epi32(k)));
   }
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
   // Lanes 8 h .. 8 h + 7.
-  __m256 lanes8(int64_t g, int h) const {
-    if (!super_blocks)
+  __m256 lanes8(int64_t g, int h, int seg = 0) const {
+    if (!super_bytes)
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * g + 16 * h)));
-    const uint8_t* s = p + (g / 8) * kSuperBytes;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * h)));
-    const __m128i k = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 32 + 16 * (g % 8) + 8 * h));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_of(g) + 16 * h)));
+    const __m128i k = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k_of(g, seg) + 8 * h));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(segments == 2 ? _mm256_cvtepi8_epi32(k)
+                                                             : _mm256_cvtepu8_epi32(k)));
   }
 #endif
 };
@@ -153,30 +258,36 @@ inline void quad_weights(const uint8_t* bytes, int t, __m512i& w01, __m512i& w23
 }
 
 // out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes (mins: int4 only).
-template <bool kInt8, int R>
+// kQ6k: GGUF Q6_K's layout (6-bit weights decoded a group at a time, group_bytes; two scale
+// segments per group, each over 4 quads).
+template <bool kInt8, int R, bool kQ6k = false>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
+  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
-    for (int t = 0; t < 8; ++t) {
-      __m512i w01, w23;
-      quad_weights<kInt8>(bytes, t, w01, w23);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* pairs =
-            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
-        dot[r] = pair_dot(pair_dot(dot[r], w01, pairs[0]), w23, pairs[1]);
+    alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
+    const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
+    for (int seg = 0; seg < kSeg; ++seg) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      for (int t = seg * 8 / kSeg; t < (seg + 1) * 8 / kSeg; ++t) {
+        __m512i w01, w23;
+        quad_weights<kInt8>(bytes, t, w01, w23);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = reinterpret_cast<const int32_t*>(
+              a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+          dot[r] = pair_dot(pair_dot(dot[r], w01, pairs[0]), w23, pairs[1]);
+        }
       }
-    }
-    const __m512 scale = scales.lanes16(g);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * groups + g;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
-                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+      const __m512 scale = scales.lanes16(g, seg);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * groups + g;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                 _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+      }
     }
     if (!kInt8) {
       const __m512 lowest = mins.lanes16(g);
@@ -209,36 +320,42 @@ inline void quad_weights(const uint8_t* bytes, int t, __m256i w[2][2]) {
 }
 
 // The same on 256-bit vectors: lanes 0-7 and 8-15 of the block in two registers.
-template <bool kInt8, int R>
+template <bool kInt8, int R, bool kQ6k = false>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
+  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
-    for (int t = 0; t < 8; ++t) {
-      __m256i w[2][2];
-      quad_weights<kInt8>(bytes, t, w);
-      for (int r = 0; r < R; ++r) {
-        const int32_t* pairs =
-            reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
-        const __m256i x01 = _mm256_set1_epi32(pairs[0]), x23 = _mm256_set1_epi32(pairs[1]);
-        for (int h = 0; h < 2; ++h)
-          dot[r][h] = _mm256_add_epi32(
-              dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[h][0], x01),
-                                          _mm256_madd_epi16(w[h][1], x23)));
+    alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
+    const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
+    for (int seg = 0; seg < kSeg; ++seg) {
+      __m256i dot[R][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int t = seg * 8 / kSeg; t < (seg + 1) * 8 / kSeg; ++t) {
+        __m256i w[2][2];
+        quad_weights<kInt8>(bytes, t, w);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = reinterpret_cast<const int32_t*>(
+              a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
+          const __m256i x01 = _mm256_set1_epi32(pairs[0]), x23 = _mm256_set1_epi32(pairs[1]);
+          for (int h = 0; h < 2; ++h)
+            dot[r][h] = _mm256_add_epi32(
+                dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(w[h][0], x01),
+                                            _mm256_madd_epi16(w[h][1], x23)));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = scales.lanes8(g, h, seg);
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (m0 + r) * groups + g;
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                                      _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at])), acc[r][h]);
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = scales.lanes8(g, h);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (m0 + r) * groups + g;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
-                                    _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at])), acc[r][h]);
-      }
       if (!kInt8) {
         const __m256 lowest = mins.lanes8(g, h);
         for (int r = 0; r < R; ++r)
@@ -263,23 +380,28 @@ inline void quad_lane(const uint8_t* bytes, int t, int j, int32_t q[4]) {
   }
 }
 
-template <bool kInt8, int R>
+template <bool kInt8, int R, bool kQ6k = false>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
+  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
+  alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kLanes; ++j) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        int32_t dot = 0;
-        for (int t = 0; t < 8; ++t) {
-          int32_t q[4];
-          quad_lane<kInt8>(block + g * kBytesPerGroup<kInt8>, t, j, q);
-          const int16_t* x = a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t;
-          dot += q[0] * x[0] + q[1] * x[1] + q[2] * x[2] + q[3] * x[3];
-        }
         const int64_t at = (m0 + r) * groups + g;
-        acc = std::fma(static_cast<float>(dot), scales.lane(g, j) * a.scales[at], acc);
+        const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
+        for (int seg = 0; seg < kSeg; ++seg) {
+          int32_t dot = 0;
+          for (int t = seg * 8 / kSeg; t < (seg + 1) * 8 / kSeg; ++t) {
+            int32_t q[4];
+            quad_lane<kInt8>(bytes, t, j, q);
+            const int16_t* x = a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t;
+            dot += q[0] * x[0] + q[1] * x[1] + q[2] * x[2] + q[3] * x[3];
+          }
+          acc = std::fma(static_cast<float>(dot), scales.lane(g, j, seg) * a.scales[at], acc);
+        }
         if (!kInt8) acc = std::fma(mins.lane(g, j), a.sums[at], acc);
       }
       out[(m0 + r) * out_stride + j] = acc;
@@ -334,10 +456,11 @@ inline __m512i int8_quad_s8(const uint8_t* bytes, int t, __m512i words_to_lanes)
 // saturation), the 8 quads' pairs summed in int16 at most 8 * 3,810 = 30,480 < 32,767, one
 // madd by 1 makes them int32; int8 (VNNI only) |sum (xq + 128) q| <= 32 * 255 * 128 =
 // 1,044,480 and |128 sum q| <= 524,288: all far inside int32.
-template <bool kInt8, int R>
+template <bool kInt8, int R, bool kQ6k = false>
 void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
+  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
 #if defined(PAGEDSERVE_X8_INT8)
@@ -347,46 +470,50 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
   const __m512i ones_u8 = _mm512_set1_epi8(1);
 #endif
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
+    const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
     // x's four bytes of quad t, row r: one int32, broadcast.
     auto x4 = [&](int r, int t) {
       return _mm512_set1_epi32(
           reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup)[t]);
     };
+    for (int seg = 0; seg < kSeg; ++seg) {  // quads t0 .. t1 - 1 share a scale
+      const int t0 = seg * 8 / kSeg, t1 = (seg + 1) * 8 / kSeg;
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #if defined(PAGEDSERVE_X8_INT8)
-    if (kInt8) {
-      __m512i wsum = _mm512_setzero_si512();
-      for (int t = 0; t < 8; ++t) {
-        const __m512i w = int8_quad_s8(bytes, t, words_to_lanes);
-        wsum = dpbusd(wsum, ones_u8, w);
-        for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], x4(r, t), w);
+      if (kInt8) {
+        __m512i wsum = _mm512_setzero_si512();
+        for (int t = t0; t < t1; ++t) {
+          const __m512i w = int8_quad_s8(bytes, t, words_to_lanes);
+          wsum = dpbusd(wsum, ones_u8, w);
+          for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], x4(r, t), w);
+        }
+        const __m512i offset = _mm512_slli_epi32(wsum, 7);  // 128 sum q
+        for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(dot[r], offset);
+      } else {
+        for (int t = t0; t < t1; ++t) {
+          const __m512i w = int4_quad_u8(bytes, t);
+          for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], w, x4(r, t));
+        }
       }
-      const __m512i offset = _mm512_slli_epi32(wsum, 7);  // 128 sum q
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(dot[r], offset);
-    } else {
-      for (int t = 0; t < 8; ++t) {
-        const __m512i w = int4_quad_u8(bytes, t);
-        for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], w, x4(r, t));
-      }
-    }
 #else
-    static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
-    __m512i pairs[R];
-    for (int r = 0; r < R; ++r) pairs[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) {
-      const __m512i w = int4_quad_u8(bytes, t);
-      for (int r = 0; r < R; ++r)
-        pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(w, x4(r, t)));
-    }
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_madd_epi16(pairs[r], _mm512_set1_epi16(1));
+      static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
+      __m512i pairs[R];
+      for (int r = 0; r < R; ++r) pairs[r] = _mm512_setzero_si512();
+      for (int t = t0; t < t1; ++t) {
+        const __m512i w = int4_quad_u8(bytes, t);
+        for (int r = 0; r < R; ++r)
+          pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(w, x4(r, t)));
+      }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_madd_epi16(pairs[r], _mm512_set1_epi16(1));
 #endif
-    const __m512 scale = scales.lanes16(g);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * groups + g;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
-                               _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+      const __m512 scale = scales.lanes16(g, seg);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * groups + g;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                 _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
+      }
     }
     if (!kInt8) {
       const __m512 lowest = mins.lanes16(g);
@@ -428,76 +555,82 @@ inline void int8_quad_s8(const uint8_t* bytes, int t, __m256i w[2]) {
 // maddubs + madd. Bounds as the zmm kernel's: int4 32 * 15 * 127 = 60,960 per lane and
 // group; maddubs pairs <= 3,810 and 8 quads of them <= 30,480 in int16; int8 (AVX-VNNI only)
 // |sum (xq + 128) q| <= 1,044,480.
-template <bool kInt8, int R>
+template <bool kInt8, int R, bool kQ6k = false>
 void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
+  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* bytes = block + g * kBytesPerGroup<kInt8>;
-    __m256i dot[R][2];
+    alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
+    const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
     auto x4 = [&](int r, int t) {
       return _mm256_set1_epi32(
           reinterpret_cast<const int32_t*>(a.values.data() + (m0 + r) * cols + g * kGroup)[t]);
     };
+    for (int seg = 0; seg < kSeg; ++seg) {  // quads t0 .. t1 - 1 share a scale
+      const int t0 = seg * 8 / kSeg, t1 = (seg + 1) * 8 / kSeg;
+      __m256i dot[R][2];
 #if defined(PAGEDSERVE_X8_INT8)
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    if (kInt8) {
-      const __m256i ones_u8 = _mm256_set1_epi8(1);
-      __m256i wsum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      for (int t = 0; t < 8; ++t) {
-        __m256i w[2];
-        int8_quad_s8(bytes, t, w);
-        for (int h = 0; h < 2; ++h) wsum[h] = _mm256_dpbusd_avx_epi32(wsum[h], ones_u8, w[h]);
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = x4(r, t);
-          for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], x, w[h]);
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      if (kInt8) {
+        const __m256i ones_u8 = _mm256_set1_epi8(1);
+        __m256i wsum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int t = t0; t < t1; ++t) {
+          __m256i w[2];
+          int8_quad_s8(bytes, t, w);
+          for (int h = 0; h < 2; ++h) wsum[h] = _mm256_dpbusd_avx_epi32(wsum[h], ones_u8, w[h]);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = x4(r, t);
+            for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], x, w[h]);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i offset = _mm256_slli_epi32(wsum[h], 7);  // 128 sum q
+          for (int r = 0; r < R; ++r) dot[r][h] = _mm256_sub_epi32(dot[r][h], offset);
+        }
+      } else {
+        for (int t = t0; t < t1; ++t) {
+          __m256i w[2];
+          int4_quad_u8(bytes, t, w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = x4(r, t);
+            for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], w[h], x);
+          }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m256i offset = _mm256_slli_epi32(wsum[h], 7);  // 128 sum q
-        for (int r = 0; r < R; ++r) dot[r][h] = _mm256_sub_epi32(dot[r][h], offset);
-      }
-    } else {
-      for (int t = 0; t < 8; ++t) {
+#else
+      static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
+      __m256i pairs[R][2];
+      for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+      for (int t = t0; t < t1; ++t) {
         __m256i w[2];
         int4_quad_u8(bytes, t, w);
         for (int r = 0; r < R; ++r) {
           const __m256i x = x4(r, t);
-          for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], w[h], x);
+          for (int h = 0; h < 2; ++h)
+            pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_maddubs_epi16(w[h], x));
         }
       }
-    }
-#else
-    static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
-    __m256i pairs[R][2];
-    for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {
-      __m256i w[2];
-      int4_quad_u8(bytes, t, w);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = x4(r, t);
-        for (int h = 0; h < 2; ++h)
-          pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_maddubs_epi16(w[h], x));
-      }
-    }
-    const __m256i ones16 = _mm256_set1_epi16(1);
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones16);
+      const __m256i ones16 = _mm256_set1_epi16(1);
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(pairs[r][h], ones16);
 #endif
-    __m256 scale[2] = {scales.lanes8(g, 0), scales.lanes8(g, 1)};
-    if (kInt8) {  // the lane order of int8_quad_s8: 0-3 | 8-11 and 4-7 | 12-15
-      const __m256 natural[2] = {scale[0], scale[1]};
-      scale[0] = _mm256_permute2f128_ps(natural[0], natural[1], 0x20);
-      scale[1] = _mm256_permute2f128_ps(natural[0], natural[1], 0x31);
-    }
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (m0 + r) * groups + g;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
-                                    _mm256_mul_ps(scale[h], _mm256_set1_ps(a.scales[at])), acc[r][h]);
+      __m256 scale[2] = {scales.lanes8(g, 0, seg), scales.lanes8(g, 1, seg)};
+      if (kInt8) {  // the lane order of int8_quad_s8: 0-3 | 8-11 and 4-7 | 12-15
+        const __m256 natural[2] = {scale[0], scale[1]};
+        scale[0] = _mm256_permute2f128_ps(natural[0], natural[1], 0x20);
+        scale[1] = _mm256_permute2f128_ps(natural[0], natural[1], 0x31);
       }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (m0 + r) * groups + g;
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]),
+                                      _mm256_mul_ps(scale[h], _mm256_set1_ps(a.scales[at])),
+                                      acc[r][h]);
+        }
+    }
     if (!kInt8)
       for (int h = 0; h < 2; ++h) {
         const __m256 lowest = mins.lanes8(g, h);
@@ -564,7 +697,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   const int bits = activation_bits();  // once per call: a switch mid-call does not split it
   at::Tensor out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
-  constexpr int64_t bytes = kBytesPerGroup<kInt8>;
+  // Q6_K (two scale segments) holds 6-bit weights.
+  const int64_t bytes = s.segments == 2 ? kQ6kGroupBytes : kBytesPerGroup<kInt8>;
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
   auto block_s = [&](int64_t b) { return s.block(b, groups); };
@@ -576,8 +710,14 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
       pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           row_passes(rows, [&](auto r, int64_t m0) {
-            block_rows_x8<kInt8, decltype(r)::value>(block_w(b), block_s(b), block_m(b), groups, a,
-                                                     cols, m0, op + b * kLanes, num_out);
+            constexpr int R = decltype(r)::value;
+            if (kInt8 && s.segments == 2) {
+              block_rows_x8<kInt8, R, true>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
+                                         op + b * kLanes, num_out);
+            } else {
+              block_rows_x8<kInt8, R>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
+                                      op + b * kLanes, num_out);
+            }
           });
         }
       });
@@ -590,8 +730,14 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       row_passes(rows, [&](auto r, int64_t m0) {
-        block_rows<kInt8, decltype(r)::value>(block_w(b), block_s(b), block_m(b), groups, a, cols,
-                                              m0, op + b * kLanes, num_out);
+        constexpr int R = decltype(r)::value;
+        if (kInt8 && s.segments == 2) {  // GGUF Q6_K: a scale per 16 columns
+          block_rows<kInt8, R, true>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
+                                  op + b * kLanes, num_out);
+        } else {
+          block_rows<kInt8, R>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
+                               op + b * kLanes, num_out);
+        }
       });
     }
   });
@@ -599,19 +745,20 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
 }
 
 // Blocked scales/mins: contiguous float16 [blocks, groups, 16], or uint8 super-blocks
-// [blocks, groups / 8, 160] (GroupLanes).
+// [blocks, groups / 8, 160 or 288] (GroupLanes).
 GroupLanes group_lanes(const at::Tensor& t, int64_t blocks, int64_t groups, const char* what) {
   TORCH_CHECK(t.defined() && t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks,
               "blocked ", what, " must be a contiguous [N / 16, ...] tensor");
   if (t.scalar_type() == at::kByte) {
+    const int64_t bytes = t.size(2);
     TORCH_CHECK(groups % 8 == 0 && t.size(1) == groups / 8 &&
-                    t.size(2) == GroupLanes::kSuperBytes,
-                "blocked ", what, " in super-blocks must be uint8 [N / 16, K / 256, 160]");
-    return {t.data_ptr<uint8_t>(), true};
+                    (bytes == GroupLanes::kQ4kBytes || bytes == GroupLanes::kQ6kBytes),
+                "blocked ", what, " in super-blocks must be uint8 [N / 16, K / 256, 160 or 288]");
+    return {t.data_ptr<uint8_t>(), bytes, bytes == GroupLanes::kQ6kBytes ? 2 : 1};
   }
   TORCH_CHECK(t.scalar_type() == at::kHalf && t.size(1) == groups && t.size(2) == kLanes,
               "blocked ", what, " must be float16 [N / 16, K / 32, 16]");
-  return {reinterpret_cast<const uint8_t*>(halves(t)), false};
+  return {reinterpret_cast<const uint8_t*>(halves(t)), 0, 1};
 }
 
 void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes,
@@ -619,6 +766,14 @@ void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == dtype && packed.is_contiguous() &&
                   packed.size(2) == bytes,
               "blocked ", what, " weights must be a contiguous [N / 16, K / 32, ", bytes, "] tensor");
+}
+
+// int8 blocked weights: 512 bytes per group, or Q6_K's 384 with its 288-byte super-blocks.
+void check_int8_blocked(const at::Tensor& packed, const at::Tensor& scales) {
+  const bool q6k = scales.scalar_type() == at::kByte && scales.dim() == 3 &&
+                   scales.size(2) == GroupLanes::kQ6kBytes;
+  check_blocked(packed, at::kChar, q6k ? kQ6kGroupBytes : kBytesPerGroup<true>,
+                q6k ? "Q6_K (int8)" : "int8 (int8)");
 }
 
 }  // namespace
@@ -630,151 +785,85 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
   if (bits == 4) {
     check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
   } else {
-    check_blocked(packed, at::kChar, kBytesPerGroup<true>, "int8 (int8)");
+    check_int8_blocked(packed, scales);
   }
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  group_lanes(scales, blocks, groups, "scales");
-  if (bits == 4) group_lanes(mins, blocks, groups, "int4 mins");
+  const GroupLanes s = group_lanes(scales, blocks, groups, "scales");
+  if (bits == 4) {
+    TORCH_CHECK(s.segments == 1 && group_lanes(mins, blocks, groups, "int4 mins").segments == 1,
+                "int4 scales and mins cover whole groups (160-byte super-blocks)");
+  }
 }
 
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                at::Tensor mins) {
   check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups,
-                               group_lanes(scales, blocks, groups, "int4 scales"),
-                               group_lanes(mins, blocks, groups, "int4 mins"));
+  const GroupLanes s = group_lanes(scales, blocks, groups, "int4 scales");
+  const GroupLanes mn = group_lanes(mins, blocks, groups, "int4 mins");
+  TORCH_CHECK(s.segments == 1 && mn.segments == 1,
+              "int4 scales and mins cover whole groups (160-byte super-blocks)");
+  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups, s, mn);
 }
 
 at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
-  check_blocked(packed, at::kChar, kBytesPerGroup<true>, "int8 (int8)");
+  check_int8_blocked(packed, scales);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                               blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
                               GroupLanes{});
 }
 
-// Block `block`'s 16 rows as float32 [16, K] (the tiled path's weights). For each group
-// and quad, the low and high nibbles interleaved by 16-bit units are, per 128-bit lane,
-// 4 rows x their 4 values in column order: [j v0 v1 v2 v3, j+1 v0 .. v3, ...].
-void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
-                         const at::Tensor& mins, int64_t block, float* dst) {
-  const int64_t groups = packed.size(1), cols = groups * kGroup;
-  const uint8_t* bytes = packed.data_ptr<uint8_t>() + block * groups * kBytesPerGroup<false>;
-  const int64_t blocks = packed.size(0);
-  const GroupLanes s = group_lanes(scales, blocks, groups, "int4 scales").block(block, groups);
-  const GroupLanes mn = group_lanes(mins, blocks, groups, "int4 mins").block(block, groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    float scale[kLanes], lowest[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      scale[j] = s.lane(g, j);
-      lowest[j] = mn.lane(g, j);
-    }
-#if defined(__AVX512F__)
-    // Per 4 rows j .. j + 3: 16 floats [scale[j] x 4, scale[j + 1] x 4, ...], once a group.
-    const __m512i repeat4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 scale4[4], lowest4[4];
-    for (int i = 0; i < 4; ++i) {
-      scale4[i] = _mm512_permutexvar_ps(repeat4, _mm512_castps128_ps512(_mm_loadu_ps(scale + 4 * i)));
-      lowest4[i] = _mm512_permutexvar_ps(repeat4, _mm512_castps128_ps512(_mm_loadu_ps(lowest + 4 * i)));
-    }
-#endif
-    for (int t = 0; t < 8; ++t) {
-      const uint8_t* p = bytes + g * kBytesPerGroup<false> + 32 * t;
-#if defined(__AVX2__)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      const __m256i lo = _mm256_and_si256(v, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      // 128-bit lane 0: rows 0-3 (unpacklo) and 4-7 (unpackhi); lane 1: rows 8-11, 12-15.
-      const __m256i quads[2] = {_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi)};
-      for (int half = 0; half < 2; ++half)
-        for (int lane = 0; lane < 2; ++lane) {
-          const __m128i rows4 = lane == 0 ? _mm256_castsi256_si128(quads[half])
-                                          : _mm256_extracti128_si256(quads[half], 1);
-          const int j0 = 8 * lane + 4 * half;
-          float* y = dst + j0 * cols + g * kGroup + 4 * t;
-#if defined(__AVX512F__)
-          const __m512 values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(rows4)),
-                                                scale4[j0 / 4], lowest4[j0 / 4]);
-          _mm_storeu_ps(y, _mm512_extractf32x4_ps(values, 0));
-          _mm_storeu_ps(y + cols, _mm512_extractf32x4_ps(values, 1));
-          _mm_storeu_ps(y + 2 * cols, _mm512_extractf32x4_ps(values, 2));
-          _mm_storeu_ps(y + 3 * cols, _mm512_extractf32x4_ps(values, 3));
-#else
-          for (int i = 0; i < 4; i += 2) {  // rows j0 + i, j0 + i + 1: bytes 4 i .. 4 i + 7
-            const int j = j0 + i;
-            const __m256 q = _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(i == 0 ? rows4 : _mm_srli_si128(rows4, 8)));
-            const __m256 values = _mm256_fmadd_ps(
-                q, _mm256_set_m128(_mm_set1_ps(scale[j + 1]), _mm_set1_ps(scale[j])),
-                _mm256_set_m128(_mm_set1_ps(lowest[j + 1]), _mm_set1_ps(lowest[j])));
-            _mm_storeu_ps(y + i * cols, _mm256_castps256_ps128(values));
-            _mm_storeu_ps(y + (i + 1) * cols, _mm256_extractf128_ps(values, 1));
-          }
-#endif
-        }
-#else
-      for (int j = 0; j < kLanes; ++j) {
-        float* y = dst + j * cols + g * kGroup + 4 * t;
-        y[0] = lowest[j] + scale[j] * static_cast<float>(p[2 * j] & 15);
-        y[1] = lowest[j] + scale[j] * static_cast<float>(p[2 * j + 1] & 15);
-        y[2] = lowest[j] + scale[j] * static_cast<float>(p[2 * j] >> 4);
-        y[3] = lowest[j] + scale[j] * static_cast<float>(p[2 * j + 1] >> 4);
-      }
-#endif
-    }
-  }
-}
+// ---- The tiled path's decoders: block `block`'s 16 rows as float32 [16, K] ----
 
-// The same for blocked int8: per group the bytes are [pair p][lane j][2], a 16 x 16
-// matrix of 16-bit words M[p][j] (row j's columns 2p, 2p + 1), so row j's 32 weights are
-// column j of M (a transpose), then scaled: W[16 b + j, 32 g + k] = scales[b, g, j] * q.
-void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
-                         float* dst) {
-  const int64_t groups = packed.size(1), cols = groups * kGroup;
-  constexpr int64_t bytes_per_group = kBytesPerGroup<true>;
-  const int8_t* bytes = packed.data_ptr<int8_t>() + block * groups * bytes_per_group;
-  const GroupLanes s =
-      group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
+// One group in the int8 layout (512 bytes: [pair p][lane j][2], a 16 x 16 matrix of 16-bit
+// words M[p][j], row j's columns 2p, 2p + 1) as 16 rows of 32 floats: row j's weights are
+// column j of M (a transpose), then dst[j cols + k] = scale[k / 16][j] q + lowest[j]
+// (lowest: int4's mins, or none). int4 and Q6_K groups are first put in this layout.
+class GroupRows {
+ public:
+  GroupRows() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  // Register i holds pairs 2i and 2i + 1 (M[2i][0..15], M[2i + 1][0..15]). One vpermw
-  // interleaves them, dword j = (M[2i][j], M[2i + 1][j]): row j's columns 4i .. 4i + 3,
-  // and qword k = rows 2k, 2k + 1. An 8 x 8 transpose of qwords (3 stages of vpermt2q:
-  // at stage s, registers a and a + 2^s swap the halves whose qword index has bit s
-  // set) leaves in register k qword i = (row 2k, row 2k + 1) columns 4i .. 4i + 3, and
-  // one vpermd makes it row 2k's 32 bytes, then row 2k + 1's.
-  alignas(64) int16_t interleave[32];
-  for (int j = 0; j < 16; ++j) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
-  const __m512i pairs_to_rows = _mm512_load_si512(interleave);
-  __m512i stage_low[3], stage_high[3];
-  for (int st = 0; st < 3; ++st) {
-    const int stride = 1 << st;
-    alignas(64) int64_t low[8], high[8];
-    for (int k = 0; k < 8; ++k) {
-      const bool upper = k & stride;
-      low[k] = upper ? 8 + k - stride : k;   // from register a, or b's lower qword
-      high[k] = upper ? 8 + k : k + stride;  // a's upper qword, or from register b
+    // Register i holds pairs 2i and 2i + 1 (M[2i][0..15], M[2i + 1][0..15]). One vpermw
+    // interleaves them, dword j = (M[2i][j], M[2i + 1][j]): row j's columns 4i .. 4i + 3,
+    // and qword k = rows 2k, 2k + 1. An 8 x 8 transpose of qwords (3 stages of vpermt2q:
+    // at stage s, registers a and a + 2^s swap the halves whose qword index has bit s
+    // set) leaves in register k qword i = (row 2k, row 2k + 1) columns 4i .. 4i + 3, and
+    // one vpermd makes it row 2k's 32 bytes, then row 2k + 1's.
+    alignas(64) int16_t interleave[32];
+    for (int j = 0; j < 16; ++j) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
+    pairs_to_rows_ = _mm512_load_si512(interleave);
+    for (int st = 0; st < 3; ++st) {
+      const int stride = 1 << st;
+      alignas(64) int64_t low[8], high[8];
+      for (int k = 0; k < 8; ++k) {
+        const bool upper = k & stride;
+        low[k] = upper ? 8 + k - stride : k;   // from register a, or b's lower qword
+        high[k] = upper ? 8 + k : k + stride;  // a's upper qword, or from register b
+      }
+      stage_low_[st] = _mm512_load_si512(low);
+      stage_high_[st] = _mm512_load_si512(high);
     }
-    stage_low[st] = _mm512_load_si512(low);
-    stage_high[st] = _mm512_load_si512(high);
+    rows_apart_ = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
   }
-  const __m512i rows_apart = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  for (int64_t g = 0; g < groups; ++g) {
+
+  void write(const int8_t* bytes, const float* scale0, const float* scale1,
+             const float* lowest, float* dst, int64_t cols) const {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512i r[8];
     for (int i = 0; i < 8; ++i)
-      r[i] = _mm512_permutexvar_epi16(
-          pairs_to_rows, _mm512_loadu_si512(bytes + g * bytes_per_group + 64 * i));
+      r[i] = _mm512_permutexvar_epi16(pairs_to_rows_, _mm512_loadu_si512(bytes + 64 * i));
     for (int st = 0; st < 3; ++st)
       for (int a = 0; a < 8; ++a)
         if (!(a & (1 << st))) {
           const int b = a + (1 << st);
-          const __m512i low = _mm512_permutex2var_epi64(r[a], stage_low[st], r[b]);
-          r[b] = _mm512_permutex2var_epi64(r[a], stage_high[st], r[b]);
+          const __m512i low = _mm512_permutex2var_epi64(r[a], stage_low_[st], r[b]);
+          r[b] = _mm512_permutex2var_epi64(r[a], stage_high_[st], r[b]);
           r[a] = low;
         }
     for (int k = 0; k < 8; ++k) {
-      const __m512i two_rows = _mm512_permutexvar_epi32(rows_apart, r[k]);
+      const __m512i two_rows = _mm512_permutexvar_epi32(rows_apart_, r[k]);
       // Quarter c: 16 weights of row 2k + c / 2 (the index of an extract is an immediate).
       const __m128i quarters[4] = {
           _mm512_extracti32x4_epi32(two_rows, 0), _mm512_extracti32x4_epi32(two_rows, 1),
@@ -782,18 +871,92 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int
       for (int c = 0; c < 4; ++c) {
         const int j = 2 * k + c / 2;
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(quarters[c]));
-        _mm512_storeu_ps(dst + j * cols + g * kGroup + 16 * (c % 2),
-                         _mm512_mul_ps(q, _mm512_set1_ps(s.lane(g, j))));
+        const __m512 scale = _mm512_set1_ps((c % 2 ? scale1 : scale0)[j]);
+        _mm512_storeu_ps(dst + j * cols + 16 * (c % 2),
+                         lowest ? _mm512_fmadd_ps(q, scale, _mm512_set1_ps(lowest[j]))
+                                : _mm512_mul_ps(q, scale));
       }
     }
-  }
 #else
-  for (int64_t g = 0; g < groups; ++g)
-    for (int j = 0; j < kLanes; ++j) {
-      const float scale = s.lane(g, j);
-      float* y = dst + j * cols + g * kGroup;
-      for (int k = 0; k < kGroup; ++k)  // column k = pair k / 2, its value k % 2
-        y[k] = scale * static_cast<float>(bytes[g * bytes_per_group + (k / 2) * 32 + 2 * j + k % 2]);
+    for (int j = 0; j < kLanes; ++j)
+      for (int k = 0; k < kGroup; ++k) {  // column k = pair k / 2, its value k % 2
+        const float q = static_cast<float>(bytes[(k / 2) * 32 + 2 * j + k % 2]);
+        const float scale = (k < 16 ? scale0 : scale1)[j];
+        dst[j * cols + k] = lowest ? std::fma(q, scale, lowest[j]) : q * scale;
+      }
+#endif
+  }
+
+ private:
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i pairs_to_rows_, stage_low_[3], stage_high_[3], rows_apart_;
+#endif
+};
+
+// int4 group (256 bytes) -> the int8 layout: quad t's low nibbles are its first pair of
+// each lane (bytes 2j, 2j + 1 = columns 4t, 4t + 1), the high nibbles its second.
+inline void int4_group_as_int8(const uint8_t* src, int8_t* dst) {
+  for (int t = 0; t < 8; ++t) {
+#if defined(__AVX2__)
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * t));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * t), _mm256_and_si256(v, low4));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * t + 32),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+#else
+    for (int b = 0; b < 32; ++b) {
+      dst[64 * t + b] = static_cast<int8_t>(src[32 * t + b] & 15);
+      dst[64 * t + 32 + b] = static_cast<int8_t>(src[32 * t + b] >> 4);
     }
 #endif
+  }
+}
+
+void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst) {
+  const int64_t groups = packed.size(1), cols = groups * kGroup;
+  const uint8_t* bytes = packed.data_ptr<uint8_t>() + block * groups * kBytesPerGroup<false>;
+  const int64_t blocks = packed.size(0);
+  const GroupLanes s = group_lanes(scales, blocks, groups, "int4 scales").block(block, groups);
+  const GroupLanes mn = group_lanes(mins, blocks, groups, "int4 mins").block(block, groups);
+  const GroupRows rows;
+  alignas(64) int8_t group[512];
+  for (int64_t g = 0; g < groups; ++g) {
+    float scale[kLanes], lowest[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      scale[j] = s.lane(g, j);
+      lowest[j] = mn.lane(g, j);
+    }
+    int4_group_as_int8(bytes + g * kBytesPerGroup<false>, group);
+    rows.write(group, scale, scale, lowest, dst + g * kGroup, cols);
+  }
+}
+
+// Blocked int8 (W[16 b + j, 32 g + k] = scales[b, g, j] q), or Q6_K's six bits decoded to it
+// with a scale per 16 columns.
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
+                         float* dst) {
+  const int64_t groups = packed.size(1), cols = groups * kGroup;
+  const GroupLanes s =
+      group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
+  const bool q6k = s.segments == 2;
+  const uint8_t* stored = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) +
+                          block * groups * (q6k ? kQ6kGroupBytes : kBytesPerGroup<true>);
+  const GroupRows rows;
+  alignas(64) uint8_t q6k_group[512];
+  for (int64_t g = 0; g < groups; ++g) {
+    float scale0[kLanes], scale1[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      scale0[j] = s.lane(g, j, 0);
+      scale1[j] = s.lane(g, j, s.segments - 1);
+    }
+    const uint8_t* bytes = q6k_group;
+    if (q6k) {
+      decode_q6k_group(group_at<true, true>(stored, g), q6k_group);
+    } else {
+      bytes = group_at<true, false>(stored, g);
+    }
+    rows.write(reinterpret_cast<const int8_t*>(bytes), scale0, scale1, nullptr, dst + g * kGroup,
+               cols);
+  }
 }

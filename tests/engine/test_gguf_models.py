@@ -57,13 +57,13 @@ def test_gguf_file_matches_transformers_under_prefix_hits_chunks_and_preemption(
 
 
 @needs_kernels
-def test_q4_k_m_tensors_stay_packed_q4_k_repacked_exactly(tmp_path):
+def test_q4_k_m_tensors_stay_packed_and_k_quants_repack_exactly(tmp_path):
     cache = tmp_path / "cache"
     resolved = resolve_model(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), cache_dir=cache)
     model = load_model(resolved.path, torch.float32, "cpu", "auto")
     report = model.gguf_report
-    assert dict(report.packed_types) == {"Q6_K": 3}
-    assert dict(report.repacked_types) == {"Q4_K": 13}
+    assert not report.packed_types  # nothing left as the file's bytes: every type repacks
+    assert dict(report.repacked_types) == {"Q4_K": 13, "Q6_K": 3}
     layer = model.model.layers[0]
     # Q4_K_M keeps attn_v and ffn_down of some layers in Q6_K: a stacked qkv then.
     packed = [layer.self_attn.qkv_proj.quantized, layer.self_attn.o_proj.quantized,
@@ -75,6 +75,10 @@ def test_q4_k_m_tensors_stay_packed_q4_k_repacked_exactly(tmp_path):
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
     torch.testing.assert_close(layer.mlp.gate_up_proj.quantized.dequantized(),
                                dense.model.layers[0].mlp.gate_up_proj.weight, atol=0, rtol=0)
+    # the tied embedding (Q6_K, six bits as in the file) looked up row by row, exactly
+    ids = torch.tensor([0, 7, 511, 7])
+    torch.testing.assert_close(model.model.embed_tokens.packed.dequantize_rows(ids),
+                               dense.model.embed_tokens.weight[ids], atol=0, rtol=0)
     # no dense weight anywhere but the norms: parameters hold a few KB
     dense_elements = sum(p.numel() for p in model.parameters())
     assert dense_elements == 2 * 2 * 256 + 256  # two norms per layer, the final norm
@@ -91,7 +95,8 @@ def test_fallback_types_of_a_q4_k_m_file_are_repacked_exactly():
     """Rows of 320 are no K-quant: llama-quantize wrote ffn_down as Q5_0/Q8_0 there."""
     resolved = resolve_model(str(FIXTURES / "tiny-llama-i320-Q4_K_M.gguf"))
     model = load_model(resolved.path, torch.float32, "cpu", "auto")
-    assert dict(model.gguf_report.repacked_types) == {"Q4_K": 12, "Q5_0": 1, "Q8_0": 1}
+    assert dict(model.gguf_report.repacked_types) == {"Q4_K": 12, "Q5_0": 1, "Q6_K": 2,
+                                                      "Q8_0": 1}
     downs = [layer.mlp.down_proj.quantized for layer in model.model.layers]
     assert all(isinstance(d, QuantizedWeight) and d.spec.method == "int8" for d in downs)
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
@@ -134,14 +139,14 @@ def test_phi3_fused_tensors_are_served_whole_and_split_when_dense():
     and gate/up pieces (the tensor-parallel path), to the same values."""
     k_quant = load_model(resolve_model(str(FIXTURES / "tiny-phi3-Q4_K_M.gguf")).path,
                          torch.float32, "cpu", "auto")
-    assert dict(k_quant.gguf_report.packed_types) == {"Q6_K": 3}
-    assert dict(k_quant.gguf_report.repacked_types) == {"Q4_K": 7}
+    assert not k_quant.gguf_report.packed_types
+    assert dict(k_quant.gguf_report.repacked_types) == {"Q4_K": 7, "Q6_K": 3}
     for layer in k_quant.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
-            assert isinstance(linear.quantized, (GGUFWeight, QuantizedWeight))
+            assert isinstance(linear.quantized, QuantizedWeight)
     resolved = resolve_model(str(FIXTURES / "tiny-phi3-Q4_0.gguf"))
     packed = load_model(resolved.path, torch.float32, "cpu", "auto")
-    assert dict(packed.gguf_report.repacked_types) == {"Q4_0": 9}
+    assert dict(packed.gguf_report.repacked_types) == {"Q4_0": 9, "Q6_K": 1}
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
     for ours, reference in zip(packed.model.layers, dense.model.layers, strict=True):
         for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):

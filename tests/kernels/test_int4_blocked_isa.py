@@ -4,7 +4,7 @@ The server builds pagedserve_kernels/cpu/ with -march=native, so one machine run
 pagedserve_kernels/cpu/quant_blocked.cpp (AVX-512 with or without VNNI, AVX2, portable). Here the file
 is also built for AVX2 only, AVX-512 without VNNI and no SIMD at all, and checked against
 the reference, bitwise batch invariance and the tiled path's block decoders included, for
-float16 scales and for GGUF Q4_K's super-block scales.
+float16 scales and for GGUF Q4_K's and Q6_K's super-block layouts.
 Three extra compiles (~40 s each): extended.
 """
 from __future__ import annotations
@@ -81,15 +81,17 @@ def test_blocked_builds_match_the_reference(isa, tmp_path):
                 assert torch.equal(ext.linear(x[m:m + 1], w.data, w.scales, w.mins)[0], out[m])
         torch.testing.assert_close(ext.decode_all(w.data, w.scales, w.mins), w.dequantized(),
                                    atol=1e-6, rtol=1e-6)
-    # GGUF Q4_K repacked: the same kernels with super-block scales (d * sc, -dmin * m)
-    raw = random_gguf_rows(T.Q4_K, 48, 512, seed=3)
-    w = repack(raw, T.Q4_K, max_rows=64)
-    data, scales, mins = w.canonical()
-    for rows in (1, 3, 8, 13):
-        x = torch.randn(rows, 512)
-        out = ext.linear(x, w.data, w.scales, w.mins)
-        torch.testing.assert_close(out, quant_linear_ref(x, unpack_int4(data), scales, mins),
-                                   atol=1e-4, rtol=1e-5)
-        assert torch.equal(ext.linear(x[-1:], w.data, w.scales, w.mins)[0], out[-1])
-    assert torch.equal(ext.decode_all(w.data, w.scales, w.mins),
-                       torch.from_numpy(dequantize(raw, T.Q4_K).astype(np.float32)))
+    # GGUF Q4_K / Q6_K repacked: super-block scales (d * sc, -dmin * m), Q6_K's six bits
+    for ggml_type in (T.Q4_K, T.Q6_K):
+        raw = random_gguf_rows(ggml_type, 48, 512, seed=3)
+        w = repack(raw, ggml_type, max_rows=64)
+        data, scales, mins = w.canonical()
+        q = unpack_int4(data) if ggml_type == T.Q4_K else data
+        for rows in (1, 3, 8, 13):
+            x = torch.randn(rows, 512)
+            out = ext.linear(x, w.data, w.scales, w.mins)
+            torch.testing.assert_close(out, quant_linear_ref(x, q, scales, mins),
+                                       atol=1e-3, rtol=1e-5)
+            assert torch.equal(ext.linear(x[-1:], w.data, w.scales, w.mins)[0], out[-1])
+        assert torch.equal(ext.decode_all(w.data, w.scales, w.mins),
+                           torch.from_numpy(dequantize(raw, ggml_type).astype(np.float32)))

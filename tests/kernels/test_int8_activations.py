@@ -26,8 +26,10 @@ import pytest
 import torch
 
 import pagedserve_kernels.cpu_kernels as ck
+from engine.models.gguf_weight import repack
 from engine.models.quant import QuantizedWeight, QuantSpec, quantize, unpack_int4
 from pagedserve_kernels.reference import quantize_activations_ref
+from tests.support.gguf_rows import T, random_gguf_rows
 
 needs_kernels = pytest.mark.skipif(not ck.toolchain_available(),
                                    reason="no C++ compiler/ninja to build the CPU kernels")
@@ -55,10 +57,11 @@ def rounded_activations(x: torch.Tensor, bits: int, group: int = 32) -> torch.Te
 
 
 def dequantized64(w: QuantizedWeight) -> torch.Tensor:
-    """The weight these integers stand for, in float64 (float16 scales and mins exactly)."""
+    """The weight these integers stand for, in float64 (float16 scales and mins exactly; a
+    scale per 32 columns, or per 16 for GGUF Q6_K's repack)."""
     data, scales, mins = w.canonical()
     n, k = data.shape[0], w.in_features
-    q = (unpack_int4(data) if w.spec.method == "int4" else data).double().view(n, k // 32, 32)
+    q = (unpack_int4(data) if w.spec.method == "int4" else data).double().view(n, scales.shape[1], -1)
     weight = q * scales.double().unsqueeze(-1)
     if mins is not None:
         weight = weight + mins.double().unsqueeze(-1)
@@ -73,7 +76,7 @@ def run(linear, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return linear(x, w.data, w.scales, w.mins)
 
 
-def check_kernel(linear, w: QuantizedWeight, bits: int, seed: int = 0) -> None:
+def check_kernel(linear, w: QuantizedWeight, bits: int, seed: int = 0, atol: float = 1e-5) -> None:
     """`linear` (x, data, scales, mins) against the reference for every row count, and
     each row bitwise the same alone as in its batch."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,7 +84,7 @@ def check_kernel(linear, w: QuantizedWeight, bits: int, seed: int = 0) -> None:
         x = torch.randn(rows, w.in_features, generator=gen)
         x[0, :32] *= 1e-3  # a group of small values: its own scale
         out = run(linear, x, w)
-        torch.testing.assert_close(out, reference(x, w, bits), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, reference(x, w, bits), atol=atol, rtol=1e-5)
         for m in range(rows):
             assert torch.equal(run(linear, x[m:m + 1], w)[0], out[m]), (rows, m)
 
@@ -225,8 +228,13 @@ def test_blocked_isa_builds_match_the_reference(isa, tmp_path):
     ext = build_for_isa(f"pagedserve_x8_blocked_{isa.replace('-', '_')}", "quant_blocked.cpp",
                         BINDING, cflags, tmp_path)
     torch.manual_seed(0)
-    for name, spec in SPECS.items():
-        w = quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)
+    weights = {name: quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)
+               for name, spec in SPECS.items()}
+    for ggml_type in (T.Q4_K, T.Q6_K):  # GGUF K-quants repacked into the blocked layouts
+        weights[ggml_type.name] = repack(random_gguf_rows(ggml_type, 48, 512, seed=2), ggml_type)
+    for name, w in weights.items():
+        # random K-quant blocks hold weights up to ~19 (float32 sums: a larger absolute error)
+        atol = 1e-4 if name.endswith("_K") else 1e-5
         for bits in (8, 16):
             check_kernel(lambda x, data, scales, mins, b=bits: ext.linear(x, data, scales, mins, b),
-                         w, bits, seed=len(name))
+                         w, bits, seed=len(name), atol=atol)
