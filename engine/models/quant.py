@@ -210,6 +210,12 @@ class QuantizedWeight:
 
     def dequantize_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (all rows for None) of the float32 weight: an embedding lookup."""
+        if self.scale_form == "super-blocks" and self._kernel is not None:
+            # GGUF Q4_K / Q6_K: the tiled path's block decoders (Python's is ~25x slower)
+            rows = torch.arange(self.out_features) if ids is None else ids
+            return self._kernel.blocked_rows(self.data, self.scales,
+                                             _NO_TENSOR if self.mins is None else self.mins,
+                                             rows.long(), 4 if self.spec.method == "int4" else 8)
         data, scales, mins = self.canonical(ids)
         n, k = data.shape[0], self.in_features
         segments = scales.shape[1]  # K / 32, or K / 16 (GGUF Q6_K's 16-column scales)

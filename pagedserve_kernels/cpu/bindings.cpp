@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T with W in a GGUF block format (few rows: integer/row kernels; more: tiles).");
   m.def("quant_tiled_linear", &quant_tiled_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T for int4/int8 weights, decoded a tile at a time into x's dtype (many rows).");
+  m.def("blocked_rows", &blocked_rows, py::call_guard<py::gil_scoped_release>(),
+        "Rows ids of a blocked int4/int8 weight as float32 [R, K] (embedding lookups).");
   m.def("rms_norm", &rms_norm, "out = weight * x / sqrt(mean(x^2) + eps), row by row.");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual), in place.");
   m.def("rotary_neox_", &rotary_neox_, "RoPE (neox halves) on q and k, in place.");

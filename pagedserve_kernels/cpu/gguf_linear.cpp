@@ -530,6 +530,40 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_r
   });
 }
 
+// Rows `ids` of a blocked int4 / int8 weight (quant_blocked.cpp's layouts) as float32
+// [len(ids), K], an embedding lookup: each row's block decoded as the tiled path decodes
+// it (once for a run of ids in the same block), the row copied out.
+at::Tensor blocked_rows(at::Tensor data, at::Tensor scales, at::Tensor mins, at::Tensor ids,
+                        int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  check_blocked_weight(data, scales, mins, bits);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be int64 [R]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t* rows = index.data_ptr<int64_t>();
+  const int64_t count = index.numel(), cols = data.size(1) * 32, num_rows = data.size(0) * 16;
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < num_rows, "row ", rows[i], " is out of range");
+  at::Tensor out = at::empty({count, cols}, data.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> block(16 * cols);
+    int64_t decoded = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = rows[i] / 16;
+      if (b != decoded) {
+        if (bits == 4) {
+          decode_blocked_int4(data, scales, mins, b, block.data());
+        } else {
+          decode_blocked_int8(data, scales, b, block.data());
+        }
+        decoded = b;
+      }
+      std::copy_n(block.data() + (rows[i] % 16) * cols, cols, op + i * cols);
+    }
+  });
+  return out;
+}
+
 // int4 / int8 in quant_linear.cpp's or quant_blocked.cpp's formats, tiled.
 at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
                               int64_t bits) {

@@ -40,6 +40,8 @@ at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols);
 at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows);
 at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, at::Tensor mins,
                               int64_t bits);
+at::Tensor blocked_rows(at::Tensor data, at::Tensor scales, at::Tensor mins, at::Tensor ids,
+                        int64_t bits);
 // fused_ops.cpp
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

@@ -171,3 +171,5 @@ def test_super_block_lanes_of_the_wrong_shape_are_refused():
         ops.int4_linear(x, w.data, six.scales, w.mins)
     with pytest.raises(RuntimeError, match="384"):  # Q6_K's scales on 8-bit weights
         ops.int8_linear(x, torch.zeros(2, 16, 512, dtype=torch.int8), six.scales)
+    with pytest.raises(RuntimeError, match="out of range"):  # an embedding row past N
+        ops.blocked_rows(w.data, w.scales, w.mins, torch.tensor([32]), 4)
