@@ -69,11 +69,9 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
     if kind in ("int4-blocked", "int8-blocked") and avx512 and float32_tiles:
         # float32 tiles cost the tiled path most: the blocked kernels keep 512 rows.
         return 512
-    if kind == "int4-blocked" and avx512:
-        # Blocked int4 (pagedserve_kernels/cpu/quant_blocked.cpp), bfloat16 tiles.
-        return 64
-    if kind == "int8-blocked" and avx512:
-        # Blocked int8, bfloat16 tiles (a 1B layer and SmolLM2's lm_head agree).
+    if kind in ("int4-blocked", "int8-blocked") and avx512:
+        # Blocked int4 / int8 (pagedserve_kernels/cpu/quant_blocked.cpp), bfloat16 tiles: the
+        # layer and SmolLM2's lm_head agree; GGUF Q4_K / Q6_K repacks take the same limits.
         return 32
     if float32_tiles or not native_bf16:
         # float32 tiles, or 16-bit ones whose matmuls this CPU emulates.
