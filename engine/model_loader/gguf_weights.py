@@ -3,18 +3,19 @@
     GGUF tensor (name, GGML type, bytes)          our model
     blk.3.attn_q.weight  Q4_K   ─ read, repack ─► layers.3.self_attn.qkv_proj piece 0:
                                                   QuantizedWeight int4 (super-block lanes)
-    blk.3.attn_v.weight  Q6_K   ─ mmap ─►                                piece 2: GGUFWeight
+    blk.3.attn_v.weight  Q6_K   ─ read, repack ─►                         piece 2:
+                                                  QuantizedWeight int8 (six bits)
     blk.3.ffn_down.weight Q5_0  ─ read, repack ─► layers.3.mlp.down_proj:  QuantizedWeight int8
     blk.3.attn_norm.weight F32  ─ copy ─►   layers.3.input_layernorm.weight (dense)
-    token_embd.weight    Q6_K   ─ mmap ─►   embed_tokens (rows decoded per lookup), and the
+    token_embd.weight    Q6_K   ─ read, repack ─► embed_tokens (rows decoded per lookup), and the
                                             tied lm_head's weight
     blk.3.attn_qkv.weight Q5_K  ─ mmap ─►   layers.3.self_attn.qkv_proj whole (Phi-3's fused
                                             tensors: rows already stacked q | k | v)
 
 Quantized tensors become packed weights (engine.models.gguf_weight) and never exist as
-dense floats: K-quants and the types without an exact int4/int8 form stay the file's
-memory-mapped bytes; Q4_0/Q4_1/Q8_0/Q5_0/IQ4_NL and Q4_K (with a multiple of 16 rows)
-are read once and repacked, exactly.
+dense floats: Q2_K/Q3_K/Q5_K and the types without an exact int4/int8 form stay the file's
+memory-mapped bytes; Q4_0/Q4_1/Q8_0/Q5_0/IQ4_NL and Q4_K/Q6_K (with a multiple of 16
+rows) are read once and repacked, exactly.
 F32/F16/BF16 tensors (norms, biases, and linears stored unquantized) are copied into
 the dense parameters. Llama's q/k rows, which llama.cpp's converter permutes for its
 RoPE layout, are read into memory in HF's order (a copy of those two tensors only).

@@ -14,9 +14,13 @@ A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
                                        uint8 6-bit sc, m: 0.58 bytes per weight vs 0.5625),
                                        so the blocked int4 kernels run it (about twice the
                                        speed of gguf_linear.cpp's Q4_K kernel)
+    Q6_K (N a multiple of 16)       -> QuantizedWeight int8 in blocks of 16 rows, exact: q - 32
+                                       in six bits (block_q6k_values, the file's 0.82 bytes
+                                       per weight), int8 scales per 16 columns as super-block
+                                       lanes; the blocked int8 kernels decode it per group
     every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
-      (Q2_K, Q3_K, Q5_K, Q6_K, Q5_1,   in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
-       IQ4_XS; Q4_K with other N)
+      (Q2_K, Q3_K, Q5_K, Q5_1,         in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
+       IQ4_XS; Q4_K / Q6_K with other N)
 
 A merged linear (qkv, gate_up) whose pieces have different types (Q4_K_M stores some
 attn_v in Q6_K beside a Q4_K attn_q) holds a StackedWeight: each piece its own packed
@@ -143,7 +147,8 @@ class StackedWeight:
 
 def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | None = None,
            dtype: torch.dtype | None = None) -> QuantizedWeight:
-    """A 32-block GGUF tensor (uint8 [N, K / 32 * block_bytes]) as an exact QuantizedWeight.
+    """A GGUF tensor of a REPACKED_SPECS type (uint8 [N, K / block * block_bytes]) as an exact
+    QuantizedWeight (Q4_K / Q6_K: `_repack_q4k`, `_repack_q6k`).
 
     Example, one Q4_1 block [d, m, qs[16]]: scales = d, mins = m, and the packed bytes are
     qs as they are (the low nibble of byte j is element j, the high nibble j + 16: the
@@ -154,12 +159,12 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
     max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
     if ggml_type == T.Q4_K:
-        return _repack_q4k(blocks, d, spec, max_rows)
+        return _repack_q4k(blocks, spec, max_rows)
     if ggml_type == T.Q6_K:
         return _repack_q6k(blocks, spec, max_rows)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
     if ggml_type in (T.Q4_0, T.Q4_1):
         qs = np.ascontiguousarray(blocks[..., -16:]).reshape(n, groups * 16)
         if ggml_type == T.Q4_1:
@@ -183,8 +188,7 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     return QuantizedWeight(spec, torch.from_numpy(q), torch.from_numpy(d.copy()), None, max_rows)
 
 
-def _repack_q4k(blocks: np.ndarray, d: np.ndarray, spec: QuantSpec,
-                max_rows: int) -> QuantizedWeight:
+def _repack_q4k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
     """Q4_K blocks (uint8 [N, K / 256, 144]: half d, dmin | scales[12] | qs[128]) as blocked
     int4 with super-block lanes. Element 64 c + l (l < 32) of a block is the low nibble of
     qs[32 c + l], element 64 c + 32 + l its high nibble; group j's 6-bit scale and min
@@ -194,6 +198,7 @@ def _repack_q4k(blocks: np.ndarray, d: np.ndarray, spec: QuantSpec,
     Example: b[0] = 0xC5, b[8] = 0x2A: sc[0] = 5, sc[4] = 0xA | 3 << 4 = 58.
     """
     n, supers = blocks.shape[0], blocks.shape[1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, supers)
     dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, supers)
     b = blocks[..., 4:16]
     sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], -1)
@@ -203,7 +208,7 @@ def _repack_q4k(blocks: np.ndarray, d: np.ndarray, spec: QuantSpec,
     groups = supers * 8
     return QuantizedWeight(
         spec, block_int4_values(torch.from_numpy(q)),
-        super_block_lanes(torch.from_numpy(d.copy()), torch.from_numpy(sc.reshape(n, groups))),
+        super_block_lanes(torch.from_numpy(d), torch.from_numpy(sc.reshape(n, groups))),
         super_block_lanes(torch.from_numpy(-dmin), torch.from_numpy(m.reshape(n, groups))),
         max_rows)
 

@@ -105,8 +105,8 @@ class QuantizedWeight:
     """One linear's weight in int4/int8 (groups of 32, float16 scales) and its kernel.
 
     `data`, `scales`, `mins` come in the row-major layout (blocked here when N is a
-    multiple of 16) or already blocked (`data` [N / 16, K / 32, ...]; GGUF Q4_K's repack,
-    whose scales and mins are super-block lanes: see `super_block_lanes`).
+    multiple of 16) or already blocked (`data` [N / 16, K / 32, ...]; GGUF Q4_K's and
+    Q6_K's repacks, whose scales and mins are super-block lanes: see `super_block_lanes`).
     """
 
     def __init__(self, spec: QuantSpec, data: torch.Tensor, scales: torch.Tensor,
@@ -125,10 +125,10 @@ class QuantizedWeight:
                     data, scales = block_int8(data, scales)
         # int4: uint8 [N, K / 2] (two per byte), or blocked [N / 16, K / 32, 256] (see
         # block_int4) when N is a multiple of 16; int8: int8 [N, K], or blocked
-        # [N / 16, K / 32, 512] (see block_int8).
+        # [N / 16, K / 32, 512] (see block_int8; Q6_K's six bits: 384, block_q6k_values).
         self.data = data
         # float16 [N, K / 32]; blocked: [N / 16, K / 32, 16], or uint8 super-block lanes
-        # [N / 16, K / 256, 160] (super_block_lanes)
+        # [N / 16, K / 256, 160 (Q4_K) or 288 (Q6_K)] (super_block_lanes)
         self.scales = scales
         self.mins = mins  # int4: shaped like scales; int8: None
         self.max_rows = max_rows
@@ -149,19 +149,10 @@ class QuantizedWeight:
         (int4 [N, K / 2], int8 [N, K]; scales and mins [N, K / 32], float32 for
         super-block lanes, else float16; Q6_K's scales [N, K / 16])."""
         if self.blocked:
-            data, scales, mins = self.data, self.scales, self.mins
-            if ids is not None and scales.dtype == torch.uint8:
-                # Super-block lanes (and Q6_K's 6-bit data) are decoded for the blocks of
-                # `ids` only: they become blocks 0..R-1 of their own, row i in block i.
-                # Example: ids [40, 3] -> blocks [2, 0], lanes [8, 3], new ids [8, 19].
-                block = ids // BLOCK_ROWS
-                data, scales = data[block], scales[block]
-                mins = None if mins is None else mins[block]
-                ids = torch.arange(ids.numel()) * BLOCK_ROWS + ids % BLOCK_ROWS
-            scales, mins = _lane_values(scales), _lane_values(mins)
+            scales, mins = _lane_values(self.scales), _lane_values(self.mins)
             if self.spec.method == "int4":
-                return unblock_int4(data, scales, mins, ids)
-            return (*unblock_int8(int8_layout(data), scales, ids), None)
+                return unblock_int4(self.data, scales, mins, ids)
+            return (*unblock_int8(int8_layout(self.data), scales, ids), None)
         if ids is None:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]

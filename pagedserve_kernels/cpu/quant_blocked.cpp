@@ -160,10 +160,15 @@ inline void decode_q6k_group(const uint8_t* src, uint8_t* dst) {
   }
 }
 
-// Group g's bytes in a block: kQ6k 384 of them (6-bit), else 256 / 512.
+// Bytes of one block's group as stored: Q6_K's 384 (6-bit), else 256 (int4) / 512 (int8).
+constexpr int64_t group_stride(bool int8, bool q6k) {
+  return q6k ? kQ6kGroupBytes : int8 ? kBytesPerGroup<true> : kBytesPerGroup<false>;
+}
+
+// Group g's bytes in a block.
 template <bool kInt8, bool kQ6k>
 inline const uint8_t* group_at(const uint8_t* block, int64_t g) {
-  return block + g * (kQ6k ? kQ6kGroupBytes : kBytesPerGroup<kInt8>);
+  return block + g * group_stride(kInt8, kQ6k);
 }
 
 // Group g's bytes as the kernels read them: in place, or (kQ6k) decoded into `buffer` (512
@@ -177,7 +182,6 @@ inline const uint8_t* group_bytes(const uint8_t* block, int64_t g, uint8_t* buff
   }
   return group_at<kInt8, kQ6k>(block, g);
 }
-
 
 // Where one block's per-group scales (or int4's mins) come from; lane j = output row
 // 16 b + j. A group's scale covers its 32 columns, or (`segments` 2) each half of them.
@@ -698,7 +702,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   at::Tensor out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
   // Q6_K (two scale segments) holds 6-bit weights.
-  const int64_t bytes = s.segments == 2 ? kQ6kGroupBytes : kBytesPerGroup<kInt8>;
+  const int64_t bytes = group_stride(kInt8, s.segments == 2);
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
   auto block_s = [&](int64_t b) { return s.block(b, groups); };
@@ -768,14 +772,6 @@ void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes
               "blocked ", what, " weights must be a contiguous [N / 16, K / 32, ", bytes, "] tensor");
 }
 
-// int8 blocked weights: 512 bytes per group, or Q6_K's 384 with its 288-byte super-blocks.
-void check_int8_blocked(const at::Tensor& packed, const at::Tensor& scales) {
-  const bool q6k = scales.scalar_type() == at::kByte && scales.dim() == 3 &&
-                   scales.size(2) == GroupLanes::kQ6kBytes;
-  check_blocked(packed, at::kChar, q6k ? kQ6kGroupBytes : kBytesPerGroup<true>,
-                q6k ? "Q6_K (int8)" : "int8 (int8)");
-}
-
 }  // namespace
 
 bool is_blocked(const at::Tensor& packed) { return packed.dim() == 3; }
@@ -784,8 +780,10 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits) {
   if (bits == 4) {
     check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
-  } else {
-    check_int8_blocked(packed, scales);
+  } else {  // 512 bytes per group, or Q6_K's 384 beside its 288-byte super-blocks
+    const bool q6k = scales.scalar_type() == at::kByte && scales.dim() == 3 &&
+                     scales.size(2) == GroupLanes::kQ6kBytes;
+    check_blocked(packed, at::kChar, group_stride(true, q6k), q6k ? "Q6_K (int8)" : "int8 (int8)");
   }
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const GroupLanes s = group_lanes(scales, blocks, groups, "scales");
@@ -797,17 +795,15 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
 
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                at::Tensor mins) {
-  check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
+  check_blocked_weight(packed, scales, mins, 4);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
-  const GroupLanes s = group_lanes(scales, blocks, groups, "int4 scales");
-  const GroupLanes mn = group_lanes(mins, blocks, groups, "int4 mins");
-  TORCH_CHECK(s.segments == 1 && mn.segments == 1,
-              "int4 scales and mins cover whole groups (160-byte super-blocks)");
-  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups, s, mn);
+  return blocked_linear<false>(x, packed.data_ptr<uint8_t>(), blocks, groups,
+                               group_lanes(scales, blocks, groups, "int4 scales"),
+                               group_lanes(mins, blocks, groups, "int4 mins"));
 }
 
 at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
-  check_int8_blocked(packed, scales);
+  check_blocked_weight(packed, scales, at::Tensor(), 8);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                               blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
@@ -941,7 +937,7 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int
       group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
   const bool q6k = s.segments == 2;
   const uint8_t* stored = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) +
-                          block * groups * (q6k ? kQ6kGroupBytes : kBytesPerGroup<true>);
+                          block * groups * group_stride(true, q6k);
   const GroupRows rows;
   alignas(64) uint8_t q6k_group[512];
   for (int64_t g = 0; g < groups; ++g) {
@@ -950,12 +946,8 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int
       scale0[j] = s.lane(g, j, 0);
       scale1[j] = s.lane(g, j, s.segments - 1);
     }
-    const uint8_t* bytes = q6k_group;
-    if (q6k) {
-      decode_q6k_group(group_at<true, true>(stored, g), q6k_group);
-    } else {
-      bytes = group_at<true, false>(stored, g);
-    }
+    const uint8_t* bytes = q6k ? group_bytes<true, true>(stored, g, q6k_group)
+                               : group_bytes<true, false>(stored, g, q6k_group);
     rows.write(reinterpret_cast<const int8_t*>(bytes), scale0, scale1, nullptr, dst + g * kGroup,
                cols);
   }
