@@ -333,6 +333,16 @@ class SchedulerConfig:
         False, "--async-scheduling", "Schedule the next step while the current one runs, so "
         "the engine's own work (scheduling, outputs) overlaps the model instead of adding "
         "to it.", group="scheduler")
+    # Images (engine/sched/encoder_cache.py), in encoder output rows (soft tokens):
+    # 0 means max_num_batched_tokens.
+    max_num_encoder_input_tokens: int = option(
+        0, "--max-num-encoder-input-tokens", "Vision models: most image embedding rows "
+        "(soft tokens) encoded in one step (0: --max-num-batched-tokens); one image larger "
+        "than this still runs, alone.", group="scheduler", type=int)
+    encoder_cache_size: int = option(
+        0, "--encoder-cache-size", "Vision models: image embedding rows kept between steps, "
+        "so that an image is encoded once for every chunk of its prompt and every request "
+        "that repeats it (0: --max-num-batched-tokens).", group="scheduler", type=int)
     max_model_len: int = 2048  # resolved from ModelConfig at start-up
 
 

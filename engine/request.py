@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.kv_cache.block_hash import BlockHash, BlockHasher
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -61,6 +62,8 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs under (engine/lora/); None: the base model.
     lora_request: LoRARequest | None = None
+    # Its images, in prompt order (engine/multimodal/inputs.py); None: text only.
+    mm_features: list[ImageFeature] | None = None
 
 
 class Request:
@@ -83,7 +86,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_output_placeholders",
         "num_cached_tokens", "num_preemptions", "max_tokens", "last_token_time", "grammar",
         "stop_check_token_ids", "_block_hasher", "block_hashes", "_next_full_block_tokens",
-        "pooling_params", "lora_request", "first_block_keys",
+        "pooling_params", "lora_request", "first_block_keys", "mm_features",
     )
 
     def __init__(
@@ -98,6 +101,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ):
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -112,6 +116,7 @@ class Request:
         # (KV computed under one adapter is never another's). None: neither.
         keys = tuple(k for k in (cache_salt, lora_request and lora_request.cache_key()) if k)
         self.first_block_keys = keys or None
+        self.mm_features = sorted(mm_features, key=lambda f: f.offset) if mm_features else []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -156,6 +161,7 @@ class Request:
             block_hasher=block_hasher,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     @property
@@ -183,8 +189,25 @@ class Request:
         if (len(self.block_hashes) + 1) * hasher.block_size <= self.num_tokens:
             self.block_hashes.extend(
                 hasher.new_block_hashes(self.all_token_ids, self.block_hashes,
-                                        self.first_block_keys))
+                                        self.block_extra_keys))
         self._next_full_block_tokens = (len(self.block_hashes) + 1) * hasher.block_size
+
+    def block_extra_keys(self, block_index: int) -> tuple | None:
+        """What full block `block_index`'s hash covers beside its tokens: the first
+        block's salt and adapter, then the identifier of every image whose placeholder
+        run touches the block. None: nothing.
+
+        Worked example (block size 4; image "ab12" at positions 6..9, "cd34" at 10..11):
+          block 0 (0..3)  -> first_block_keys      block 1 (4..7)  -> ("ab12",)
+          block 2 (8..11) -> ("ab12", "cd34")      block 3 (12..15) -> None
+        """
+        keys = list(self.first_block_keys or ()) if block_index == 0 else []
+        if self.mm_features:
+            size = self._block_hasher.block_size
+            start, end = block_index * size, (block_index + 1) * size
+            keys.extend(f.identifier for f in self.mm_features
+                        if f.offset < end and f.end > start)
+        return tuple(keys) or None
 
     def __repr__(self) -> str:
         return (

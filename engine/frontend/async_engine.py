@@ -40,6 +40,7 @@ from engine.frontend.core_client import (
 from engine.frontend.output_processor import OutputProcessor, RequestState
 from engine.frontend.processor import Processor
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
@@ -241,17 +242,20 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes; the last one has `finished`.
 
         `prompt` is text (tokenized here, with the tokenizer's special tokens) or token
-        ids. Raises PromptError / SamplingParamsError before anything is queued,
-        EngineRequestError if the engine fails the request, EngineDeadError if the
-        engine is gone. Closing the iterator early aborts the request.
+        ids; `mm_features` are its images (the ids then hold their placeholder runs:
+        engine/multimodal/processor.py). Raises PromptError / SamplingParamsError before
+        anything is queued, EngineRequestError if the engine fails the request,
+        EngineDeadError if the engine is gone. Closing the iterator early aborts it.
         """
         stream = await self.add_request(
             prompt, sampling_params, req_id, prompt_text=prompt_text, priority=priority,
-            cache_salt=cache_salt, arrival_time=arrival_time, lora_request=lora_request)
+            cache_salt=cache_salt, arrival_time=arrival_time, lora_request=lora_request,
+            mm_features=mm_features)
         try:
             async for output in stream:
                 yield output
@@ -288,6 +292,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> RequestStream:
         """Queue a request now and return its stream (see `generate` for the errors).
 
@@ -295,7 +300,7 @@ class AsyncEngine:
         """
         state = await self._add_request(prompt, sampling_params, req_id, prompt_text,
                                         priority, cache_salt, arrival_time, pooling_params,
-                                        lora_request)
+                                        lora_request, mm_features)
         return RequestStream(self, state)
 
     def abort_request(self, req_id: str) -> bool:
@@ -308,8 +313,8 @@ class AsyncEngine:
         return True
 
     async def _add_request(self, prompt, params, req_id, prompt_text, priority, cache_salt,
-                           arrival_time, pooling_params=None, lora_request=None
-                           ) -> RequestState:
+                           arrival_time, pooling_params=None, lora_request=None,
+                           mm_features=None) -> RequestState:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
         if req_id in self._requests:
@@ -317,7 +322,7 @@ class AsyncEngine:
         processed = self.processor.process_inputs(
             req_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
             prompt_text=prompt_text, priority=priority, cache_salt=cache_salt,
-            pooling_params=pooling_params, lora_request=lora_request)
+            pooling_params=pooling_params, lora_request=lora_request, mm_features=mm_features)
         self._ensure_output_task()
         if not self._requests:
             self._busy_since = time.monotonic()

@@ -11,6 +11,7 @@ import inspect
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -22,12 +23,16 @@ from engine.frontend.processor import Processor
 from engine.lora.checkpoint import check_adapter
 from engine.lora_request import LoRARequest
 from engine.model_loader.resources import load_model_resources
+from engine.multimodal.inputs import image_content_hash
+from engine.multimodal.processor import ImagePromptProcessor
 from engine.pooling_params import PoolingParams
 from engine.request_output import RequestOutput
 from engine.sampling_defaults import resolve_sampling_defaults
 from engine.sampling_params import SamplingParams
 
-PromptType = str | list[int]
+# A prompt: text, token ids, or (a vision model) {"prompt": text with one image
+# placeholder per image, "multi_modal_data": {"image": a PIL image or a list of them}}.
+PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -68,6 +73,7 @@ class LLM:
                                    self.resources.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        self._images: ImagePromptProcessor | None = None  # a vision model's, on first use
         model_config = config.model_config
         self.sampling_defaults = resolve_sampling_defaults(
             model_config.generation_config, self.resources.generation_config,
@@ -172,6 +178,31 @@ class LLM:
         return list(ids)
 
     # ---------------------------------------------------------------- internals
+    def _process(self, prompt: PromptType, params: SamplingParams,
+                 pooling_params: PoolingParams | None, lora: LoRARequest | None):
+        """One prompt checked and fanned out (a dict prompt's images expanded first)."""
+        mm_features = None
+        if isinstance(prompt, dict):
+            images = (prompt.get("multi_modal_data") or {}).get("image") or []
+            images = images if isinstance(images, (list, tuple)) else [images]
+            processed = self._image_processor().process(
+                prompt["prompt"], [_Image(image, image_content_hash(image)) for image in images])
+            prompt, mm_features = processed.token_ids, processed.features or None
+        return self.processor.process_inputs(
+            str(next(self._counter)), prompt, params, time.time(),
+            pooling_params=pooling_params, lora_request=lora, mm_features=mm_features)
+
+    def _image_processor(self) -> ImagePromptProcessor:
+        if self._images is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(self.model_dir)
+            self._images = ImagePromptProcessor.from_pretrained(self.model_dir, hf_config)
+            if self._images is None:
+                raise ValueError(f"{self.model_dir} is not a vision-language model: it takes "
+                                 "no images")
+        return self._images
+
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
         pooling_params: PoolingParams | None = None,
@@ -182,8 +213,7 @@ class LLM:
         core, output_processor = self.engine_core, self.output_processor
         lora_requests = lora_requests or [None] * len(prompts)
         processed = [
-            self.processor.process_inputs(str(next(self._counter)), prompt, params, time.time(),
-                                          pooling_params=pooling_params, lora_request=lora)
+            self._process(prompt, params, pooling_params, lora)
             for prompt, params, lora in zip(prompts, params_list, lora_requests, strict=True)
         ]
         states = [output_processor.add_request(request) for request in processed]
@@ -216,10 +246,16 @@ class LLM:
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """One prompt (a string or token ids) or several -> a list of prompts."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt (a string, token ids, a dict) or several -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+@dataclass
+class _Image:
+    image: Any
+    content_hash: str
 
 
 def _signature() -> inspect.Signature:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
@@ -136,10 +137,13 @@ class Processor:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> ProcessedRequest:
         """Tokenize and check (raises PromptError), then fan out: a request with n == 1
         keeps its id; sequence i of a larger n is "{req_id}-{i}" with its own seed.
-        A pooling request (`pooling_params`) may fill the whole context."""
+        A pooling request (`pooling_params`) may fill the whole context. `mm_features`:
+        the prompt's images (token ids given, their placeholder runs expanded already:
+        engine/multimodal/processor.py)."""
         if isinstance(prompt, str):
             prompt_text = prompt
             prompt_token_ids = list(self.tokenizer(prompt).input_ids)
@@ -159,6 +163,7 @@ class Processor:
                 cache_salt=cache_salt,
                 pooling_params=pooling_params,
                 lora_request=lora_request,
+                mm_features=mm_features,
             )
             for index in range(params.n)
         ]

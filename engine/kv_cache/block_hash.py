@@ -11,8 +11,10 @@ before them matched too:
     hashes:                 g0=H(None, 他喜不喜) | g1=H(g0, 欢吃苹果)   -> g1 != h1
 
 Partial blocks are never hashed. `extra_keys` of the first block carry the request's
-`cache_salt` and its LoRA adapter (engine/request.py `first_block_keys`), so tenants
-with different salts, and requests of different adapters, never share a prefix.
+`cache_salt` and its LoRA adapter, and those of every block an image's placeholder run
+touches carry that image's content hash (engine/request.py `block_extra_keys`), so tenants
+with different salts, requests of different adapters, and prompts of different images
+never share a prefix (past the image).
 """
 
 from __future__ import annotations
@@ -77,16 +79,16 @@ class BlockHasher:
         self,
         token_ids: Sequence[int],
         existing: Sequence[BlockHash],
-        first_block_keys: tuple[Any, ...] | None = None,
+        extra_keys_of: Callable[[int], tuple[Any, ...] | None] | None = None,
     ) -> list[BlockHash]:
-        """Hashes for full blocks of `token_ids` beyond the `existing` ones; the first
-        block's also covers `first_block_keys`."""
+        """Hashes for full blocks of `token_ids` beyond the `existing` ones; block i's
+        also covers `extra_keys_of(i)` (None: nothing else)."""
         hashes: list[BlockHash] = []
         parent = existing[-1] if existing else None
         block_index = len(existing)
         while (block_index + 1) * self.block_size <= len(token_ids):
             start = block_index * self.block_size
-            extra = first_block_keys if block_index == 0 else None
+            extra = extra_keys_of(block_index) if extra_keys_of is not None else None
             parent = hash_block_tokens(
                 self.hash_fn, parent, token_ids[start : start + self.block_size], extra
             )

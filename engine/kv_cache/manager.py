@@ -217,8 +217,9 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         for run in runs:
             parent = hashes[run[0] - 1] if run[0] > 0 else None
-            # The first block's hash covers the salt and adapter (block_hash.py): say so.
-            extra = [request.first_block_keys if i == 0 else None for i in run]
+            # A block's hash covers the salt and adapter (the first block) and the images
+            # it holds (block_hash.py): say so.
+            extra = [request.block_extra_keys(i) for i in run]
             self.block_pool.events.stored([hashes[i] for i in run], parent,
                                           tokens[run[0] * size:(run[-1] + 1) * size], extra,
                                           request.lora_request)

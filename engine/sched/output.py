@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # The LoRA adapter it runs under (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its images (placeholder runs; the runner reads their rows from its encoder cache).
+    mm_features: list[ImageFeature] | None = None
 
 
 @dataclass
@@ -94,6 +97,10 @@ class SchedulerOutput:
     # blocks (since its last step): the runner cuts its block list there before
     # appending new_block_ids.
     num_blocks_after_rollback: dict[str, int] = field(default_factory=dict)
+    # Images the runner encodes this step, before the forward (each once; it keeps their
+    # embeddings by identifier), and identifiers whose embeddings it may drop.
+    scheduled_encoder_inputs: list[ImageFeature] = field(default_factory=list)
+    free_encoder_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

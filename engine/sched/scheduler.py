@@ -21,6 +21,11 @@ the waiting queue; each step fills the next-token bitmask of the constrained req
 that sample (SchedulerOutput.grammar) and advances their matchers with the tokens
 they keep. A constrained request's drafts are cut where its grammar refuses them, and
 it gets one mask row per verified position. Unconstrained steps skip all of it.
+
+Images (engine/multimodal/): a request whose next tokens reach an image's placeholder run
+gets that image encoded in the same step, under a per-step encoder budget, unless the
+encoder cache holds it already (engine/sched/encoder_cache.py); an image that does not
+fit makes the request stop its step's tokens just before it. Text-only steps skip it.
 """
 
 from __future__ import annotations
@@ -35,8 +40,16 @@ from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_hash import BlockHasher, get_hash_fn
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import KVCacheManager
+from engine.multimodal.inputs import ImageFeature
 from engine.outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerStats
 from engine.request import EngineCoreRequest, Request, RequestStatus
+from engine.sched.encoder_cache import (
+    EncoderCacheManager,
+    EncoderPlan,
+    commit_encoder_plan,
+    plan_encoder_inputs,
+    release_computed_images,
+)
 from engine.sched.output import (
     CachedRequestData,
     GrammarBitmask,
@@ -107,6 +120,11 @@ class Scheduler:
                                  if speculative_config else 0)
         # req_id -> block count after a rollback freed tail blocks, for the next step.
         self._num_blocks_after_rollback: dict[str, int] = {}
+        # Images: encoder outputs the runner holds (embedding rows) and the step's budget.
+        self.encoder_cache = EncoderCacheManager(
+            scheduler_config.encoder_cache_size or scheduler_config.max_num_batched_tokens)
+        self.encoder_budget = (scheduler_config.max_num_encoder_input_tokens
+                               or scheduler_config.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -208,6 +226,8 @@ class Scheduler:
 
     def _free_request(self, request: Request, discard_cached: bool = False) -> None:
         self.kv_cache_manager.free(request, discard_cached)
+        if request.mm_features:
+            release_computed_images(self.encoder_cache, request, everything=True)
         if self.speculator is not None:
             self.speculator.finish(request)
             self._num_blocks_after_rollback.pop(request.req_id, None)
@@ -253,7 +273,7 @@ class Scheduler:
         """
         if self.waiting_for_grammar:
             self._admit_compiled()
-        step = _StepPlan(self.config.max_num_batched_tokens)
+        step = _StepPlan(self.config.max_num_batched_tokens, self.encoder_budget)
         self._schedule_running(step)
         if not step.preempted:  # a step that preempted for room admits nobody
             self._schedule_waiting(step)
@@ -263,6 +283,9 @@ class Scheduler:
             output.num_blocks_after_rollback = self._num_blocks_after_rollback
             self._num_blocks_after_rollback = {}
         self._count_scheduled_as_computed(step.num_scheduled_tokens)
+        if step.with_images:
+            for req_id in step.num_scheduled_tokens:
+                release_computed_images(self.encoder_cache, self.requests[req_id])
         self.finished_req_ids = set()
         return output
 
@@ -305,6 +328,10 @@ class Scheduler:
                 step.token_budget,
                 last_position - num_computed,
             )
+            plan = None
+            if request.mm_features and num_new_tokens > 0:
+                plan = self._plan_encoder(step, request, num_computed, num_new_tokens)
+                num_new_tokens = plan.num_new_tokens
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -329,6 +356,8 @@ class Scheduler:
             if new_blocks is None:
                 break  # `request` itself was preempted; nothing lower is left to run
             step.add_running(request, num_new_tokens, new_blocks, drafts)
+            if plan is not None:
+                self._commit_encoder(step, plan, request)
             index += 1
 
     def _propose_drafts(self, speculator: Speculator, request: Request,
@@ -394,9 +423,17 @@ class Scheduler:
                         or request.pooling_params is not None):
                     break  # it must be computed whole, and does not fit this step
                 num_new_tokens = min(num_new_tokens, step.token_budget)
+                plan = None
+                if request.mm_features:
+                    plan = self._plan_encoder(step, request, num_computed, num_new_tokens)
+                    num_new_tokens = plan.num_new_tokens
+                    if num_new_tokens == 0:
+                        break  # its next image waits for encoder room; so do those behind
                 if self.kv_cache_manager.allocate_slots(
                         request, num_new_tokens, computed_blocks, num_computed) is not None:
                     self._admit(step, request, num_computed, num_new_tokens)
+                    if plan is not None:
+                        self._commit_encoder(step, plan, request)
                     if lora is not None:
                         adapters.add(lora.lora_id)
                     continue
@@ -426,6 +463,18 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         step.num_scheduled_tokens[request.req_id] = num_new_tokens
         step.token_budget -= num_new_tokens
+
+    def _plan_encoder(self, step: _StepPlan, request: Request, start: int,
+                      num_new_tokens: int) -> EncoderPlan:
+        return plan_encoder_inputs(self.encoder_cache, request, start, num_new_tokens,
+                                   step.encoder_budget,
+                                   step.encoder_budget == self.encoder_budget)
+
+    def _commit_encoder(self, step: _StepPlan, plan: EncoderPlan, request: Request) -> None:
+        """`request` got its tokens: its images are held for it, the new ones encoded."""
+        step.encoder_budget -= commit_encoder_plan(self.encoder_cache, plan, request.req_id)
+        step.encoder_inputs.extend(plan.to_encode)
+        step.with_images = True
 
     def _count_scheduled_as_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
         """The scheduled tokens count as computed from now on: the runner computes them
@@ -503,6 +552,8 @@ class Scheduler:
         for this step's tokens lose their hashes.
         """
         self.kv_cache_manager.free(request, num_written_tokens=request.num_computed_tokens)
+        if request.mm_features:
+            release_computed_images(self.encoder_cache, request, everything=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -530,6 +581,7 @@ class Scheduler:
                 extra_group_block_ids=manager.get_extra_group_block_ids(r.req_id),
                 pooling_params=r.pooling_params,
                 lora_request=r.lora_request,
+                mm_features=r.mm_features or None,
             )
             for r in scheduled_new
         ]
@@ -563,6 +615,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             grammar=(self._grammar_bitmask(ordered, step.spec_tokens)
                      if self._constrained_req_ids else None),
+            scheduled_encoder_inputs=step.encoder_inputs,
+            free_encoder_ids=self.encoder_cache.take_evicted(),
         )
 
     def _extra_group_block_ids(self, scheduled_running: list[Request],
@@ -838,6 +892,7 @@ class _StepPlan:
     """What one schedule() has decided so far; its phases fill it in."""
 
     token_budget: int  # tokens still free in this step
+    encoder_budget: int  # encoder output rows still free in this step
     # req_id -> tokens this step: running requests first, then admitted ones in order.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running ones' new blocks
@@ -846,6 +901,8 @@ class _StepPlan:
     scheduled_resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> its drafts
+    encoder_inputs: list[ImageFeature] = field(default_factory=list)  # images to encode
+    with_images: bool = False  # some scheduled request reads image embeddings
 
     def add_running(self, request: Request, num_new_tokens: int,
                     new_blocks: list[KVCacheBlock], drafts: list[int] | None) -> None:

@@ -10,6 +10,9 @@
                        (speculative draft_model: the draft model proposes the step's
                        drafts in _prepare_inputs and sees its other tokens after the
                        forward: worker/draft_model.py)
+                       (images: the step's new images are encoded first, and their
+                       rows replace the token embeddings at their placeholder positions:
+                       worker/encoder_runner.py)
       sample           logits of each request's last token -> sampler
       pool             a pooling request (embeddings) pools its prompt's hidden states
                        instead (worker/pooler.py); a pooling model (BERT) only pools
@@ -38,6 +41,7 @@ from engine.sample.rejection import DraftVerifier
 from engine.sched.output import GrammarBitmask, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphConfig, DecodeGraphRunner
 from engine.worker.draft_model import DraftModel
+from engine.worker.encoder_runner import EncoderRunner, StepImageEmbeds
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.pooler import pool_rows
 
@@ -86,6 +90,8 @@ class ModelInputs:
     token_type_ids: torch.Tensor | None = None
     # Which tokens run under which LoRA adapter; None when all run the base.
     lora: LoRAMapping | None = None
+    # The step's tokens at image positions and their encoder rows; None: text only.
+    image_embeds: StepImageEmbeds | None = None
 
 
 class ModelRunner:
@@ -118,6 +124,9 @@ class ModelRunner:
         self._pooling_params: dict[str, PoolingParams] = {}  # pooling requests
         # A pooling model (an encoder such as BERT) has no lm_head: it only pools.
         self.is_pooling_model = bool(getattr(model, "is_pooling_model", False))
+        # A vision-language model encodes images and keeps their rows (by identifier).
+        self.encoder_runner = (EncoderRunner(model, device)
+                               if getattr(model, "supports_images", False) else None)
         # Seeded generators of preempted requests, for their resumption: a request that
         # verified drafts drew more than one row of uniforms per token.
         self._preempted_generators: dict[str, torch.Generator] = {}
@@ -192,6 +201,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if scheduler_output.scheduled_encoder_inputs:
+            if self.encoder_runner is None:
+                raise ValueError("this model takes no images")
+            self.encoder_runner.run_encoders(scheduler_output.scheduled_encoder_inputs)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [])
         inputs = self._prepare_inputs(scheduler_output)
@@ -227,12 +240,18 @@ class ModelRunner:
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden]: a decode graph's replay where one fits."""
         graphs = self.decode_graphs
-        if graphs is not None and inputs.lora is None and graphs.fits(inputs.attn_metadata):
+        if (graphs is not None and inputs.lora is None and inputs.image_embeds is None
+                and graphs.fits(inputs.attn_metadata)):
             return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         group_metadata = ([inputs.attn_metadata, *inputs.extra_group_metadata]
                           if inputs.extra_group_metadata else None)
         with set_forward_context(inputs.attn_metadata, self.backend, group_metadata,
                                  inputs.lora):
+            if inputs.image_embeds is not None:
+                image = inputs.image_embeds
+                embeds = self.model.embed_input_ids(inputs.input_ids)
+                embeds.index_copy_(0, image.token_indices, image.embeds.to(embeds.dtype))
+                return self.model(inputs.input_ids, inputs.positions, inputs_embeds=embeds)
             if inputs.token_type_ids is not None:
                 return self.model(inputs.input_ids, inputs.positions,
                                   token_type_ids=inputs.token_type_ids)
@@ -260,6 +279,8 @@ class ModelRunner:
             self._pooling_params.pop(req_id, None)
             self._lora_ids.pop(req_id, None)
             self._preempted_generators.pop(req_id, None)
+            if self.encoder_runner is not None:
+                self.encoder_runner.remove_request(req_id)
             self._remove_row(req_id)
         for req_id in scheduler_output.preempted_req_ids:
             generator = self._remove_row(req_id)  # keep its state: it will resume
@@ -287,7 +308,11 @@ class ModelRunner:
                 self._pooling_params[new.req_id] = new.pooling_params
             if new.lora_request is not None:
                 self._lora_ids[new.req_id] = new.lora_request.lora_id
+            if new.mm_features and self.encoder_runner is not None:
+                self.encoder_runner.add_request(new.req_id, new.mm_features)
             self._add_row(state)
+        if scheduler_output.free_encoder_ids and self.encoder_runner is not None:
+            self.encoder_runner.free(scheduler_output.free_encoder_ids)
         if scheduler_output.num_blocks_after_rollback:
             self._cut_block_lists(scheduler_output.num_blocks_after_rollback)
         cached = scheduler_output.scheduled_cached_reqs
@@ -448,6 +473,9 @@ class ModelRunner:
             pool_req_indices=pool_req_indices,
             token_type_ids=token_type_ids,
             lora=self._lora_mapping(req_ids, req_indices),
+            image_embeds=(self.encoder_runner.gather(req_ids, num_computed, num_scheduled)
+                          if self.encoder_runner is not None
+                          and self.encoder_runner.has_requests else None),
         )
 
     def _lora_mapping(self, req_ids: list[str], req_indices: np.ndarray

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.outputs import EngineCoreOutputs, ModelRunnerOutput
 from engine.request import EngineCoreRequest, Request
 from engine.sampling_params import SamplingParams
@@ -31,6 +32,8 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     max_loras: int = 0,
+    max_num_encoder_input_tokens: int = 0,
+    encoder_cache_size: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -39,6 +42,8 @@ def make_scheduler(
             enable_chunked_prefill=enable_chunked_prefill,
             policy=policy,
             max_model_len=max_model_len,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            encoder_cache_size=encoder_cache_size,
         ),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
@@ -55,6 +60,7 @@ def add(
     arrival_time: float | None = None,
     cache_salt: str | None = None,
     lora_request: LoRARequest | None = None,
+    mm_features: list[ImageFeature] | None = None,
     **params,
 ) -> Request:
     """Queue a request; an int prompt means that many distinct tokens."""
@@ -64,7 +70,7 @@ def add(
     params.setdefault("max_tokens", 100)
     core = EngineCoreRequest(req_id, prompt, SamplingParams(**params), eos_token_id=EOS,
                              priority=priority, cache_salt=cache_salt,
-                             lora_request=lora_request)
+                             lora_request=lora_request, mm_features=mm_features)
     if arrival_time is not None:
         core.arrival_time = arrival_time
     return scheduler.add_request(core)

@@ -75,8 +75,8 @@ class TestBlockHash:
     def test_cache_salt_only_changes_the_chain_from_the_first_block(self):
         tokens = list(range(8))
         plain = HASHER.new_block_hashes(tokens, [])
-        salted = HASHER.new_block_hashes(tokens, [], ("tenant-a",))
-        other = HASHER.new_block_hashes(tokens, [], ("tenant-b",))
+        salted = HASHER.new_block_hashes(tokens, [], lambda i: ("tenant-a",) if i == 0 else None)
+        other = HASHER.new_block_hashes(tokens, [], lambda i: ("tenant-b",) if i == 0 else None)
         assert plain[0] != salted[0] != other[0]
         assert salted[0] == hash_block_tokens(SHA256, None, tokens[:4], ("tenant-a",))
         # Later blocks carry no salt of their own: they differ through the chain only.
