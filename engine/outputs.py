@@ -52,6 +52,8 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt this step computed: req_id -> their vector
     # (engine.worker.pooler); they sample nothing.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # Seconds the vision encoder ran this step (0: no image was encoded).
+    encoder_seconds: float = 0.0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -117,6 +119,11 @@ class SchedulerStats:
     # running_lora_adapters / waiting_lora_adapters; the base's requests are not counted).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # Images (engine/sched/encoder_cache.py): encoded this step, read from the encoder
+    # cache by a request that did not encode them, and the encoder's seconds.
+    mm_images_encoded: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_seconds: float = 0.0
 
 
 @dataclass

@@ -143,8 +143,14 @@ class DecoderModel(nn.Module):
         # the first step that runs with a KV cache (weights loaded and quantized by then).
         self._fused: FusedDecoderStack | None | bool = False  # False: not built yet
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size].
+
+        `inputs_embeds` [T, hidden_size] (a vision-language model's token embeddings with
+        image rows written in) replaces `embed_tokens(input_ids)`; it may be overwritten.
+        """
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary_emb(positions)
         fused = self._fused_stack()
         result = None if fused is None else fused.run(hidden_states, cos, sin)
@@ -193,9 +199,11 @@ class DecoderForCausalLM(nn.Module):
                         bias=bool(getattr(config, "mlp_bias", False)),
                         hidden_act=getattr(config, "hidden_act", "silu"))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] long -> final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] long -> final hidden states [T, hidden_size];
+        `inputs_embeds` [T, hidden_size], if given, replaces the token embeddings."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32."""

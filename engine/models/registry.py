@@ -12,6 +12,10 @@ from engine.models.gemma3 import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
 )
+from engine.models.idefics3 import (
+    Idefics3ForConditionalGeneration,
+    SmolVLMForConditionalGeneration,
+)
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -24,12 +28,14 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
 }
 
 

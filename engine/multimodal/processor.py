@@ -72,6 +72,16 @@ class ImagePromptProcessor:
             return None
         return cls(hf_processor, int(image_token_id), str(placeholder))
 
+    @classmethod
+    def for_model(cls, model_dir: str | Path) -> ImagePromptProcessor | None:
+        """`from_pretrained` with the checkpoint's own config (None: not a local
+        vision-language checkpoint, e.g. a GGUF file)."""
+        if not Path(model_dir).is_dir() or not (Path(model_dir) / "config.json").exists():
+            return None
+        from transformers import AutoConfig
+
+        return cls.from_pretrained(model_dir, AutoConfig.from_pretrained(str(model_dir)))
+
     def process(self, prompt: str, images: Sequence[ImageLike]) -> ProcessedPrompt:
         """Token ids of `prompt` with each placeholder expanded for its image, in order.
 
@@ -102,6 +112,12 @@ class ImagePromptProcessor:
         out = self.hf_processor(text=[self.placeholder], images=[[image]],
                                 return_tensors="np", add_special_tokens=False)
         run = np.asarray(out["input_ids"][0], dtype=np.int64)
-        tensors = {name: TensorData.from_array(np.asarray(value)[0])
-                   for name, value in out.items() if name not in _TEXT_KEYS}
+        tensors = {}
+        for name, value in out.items():
+            if name in _TEXT_KEYS:
+                continue
+            array = np.asarray(value)[0]
+            if name.endswith("mask"):
+                array = array.astype(bool)  # 1 byte a pixel on the wire, not 8
+            tensors[name] = TensorData.from_array(array)
         return run, tensors

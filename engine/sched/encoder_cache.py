@@ -45,6 +45,9 @@ class EncoderCacheManager:
     def holds(self, identifier: str) -> bool:
         return identifier in self._size
 
+    def is_user(self, identifier: str, req_id: str) -> bool:
+        return req_id in self._users.get(identifier, ())
+
     def add_user(self, identifier: str, req_id: str) -> None:
         """`req_id` needs the held entry `identifier` (revived if it was freeable)."""
         self._freeable.pop(identifier, None)
@@ -155,13 +158,17 @@ def plan_encoder_inputs(cache: EncoderCacheManager, request: Request, start: int
     return plan
 
 
-def commit_encoder_plan(cache: EncoderCacheManager, plan: EncoderPlan, req_id: str) -> int:
-    """Hold the plan's images for `req_id` (the request got its tokens); the rows used."""
+def commit_encoder_plan(cache: EncoderCacheManager, plan: EncoderPlan, req_id: str
+                        ) -> tuple[int, int]:
+    """Hold the plan's images for `req_id` (the request got its tokens); returns the rows
+    it encodes and its cache hits (held images it reads for the first time)."""
+    hits = 0
     for identifier in plan.held:
+        hits += not cache.is_user(identifier, req_id)
         cache.add_user(identifier, req_id)
     for feature in plan.to_encode:
         cache.allocate(feature.identifier, feature.num_embeds, req_id)
-    return sum(f.num_embeds for f in plan.to_encode)
+    return sum(f.num_embeds for f in plan.to_encode), hits
 
 
 def release_computed_images(cache: EncoderCacheManager, request: Request,

@@ -125,6 +125,7 @@ class Scheduler:
             scheduler_config.encoder_cache_size or scheduler_config.max_num_batched_tokens)
         self.encoder_budget = (scheduler_config.max_num_encoder_input_tokens
                                or scheduler_config.max_num_batched_tokens)
+        self._encoder_cache_hits = 0  # since the last stats
 
     # ------------------------------------------------------------------ requests
     def add_request(self, core_request: EngineCoreRequest) -> Request:
@@ -472,9 +473,11 @@ class Scheduler:
 
     def _commit_encoder(self, step: _StepPlan, plan: EncoderPlan, request: Request) -> None:
         """`request` got its tokens: its images are held for it, the new ones encoded."""
-        step.encoder_budget -= commit_encoder_plan(self.encoder_cache, plan, request.req_id)
+        rows, hits = commit_encoder_plan(self.encoder_cache, plan, request.req_id)
+        step.encoder_budget -= rows
         step.encoder_inputs.extend(plan.to_encode)
         step.with_images = True
+        self._encoder_cache_hits += hits
 
     def _count_scheduled_as_computed(self, num_scheduled_tokens: dict[str, int]) -> None:
         """The scheduled tokens count as computed from now on: the runner computes them
@@ -731,7 +734,7 @@ class Scheduler:
             if finished:
                 self._dequeue(request, was_running)
                 self._free_request(request)
-        return self._step_outputs(scheduler_output, outputs, tally)
+        return self._step_outputs(scheduler_output, runner_output, outputs, tally)
 
     def _append_sampled(self, request: Request, sampled: list[int]) -> list[int]:
         """Append a request's sampled tokens (one, or its accepted drafts and one more)
@@ -786,8 +789,8 @@ class Scheduler:
         self._free_request(request)
         return EngineCoreOutput(request.req_id, [], "error", error=error)
 
-    def _step_outputs(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
-                      tally: _StepTally) -> EngineCoreOutputs:
+    def _step_outputs(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                      outputs: list[EngineCoreOutput], tally: _StepTally) -> EngineCoreOutputs:
         """The step's outputs with the scheduler's stats and the first-scheduled times
         of the requests it started."""
         stats = self.make_stats()
@@ -796,6 +799,10 @@ class Scheduler:
         stats.num_generation_tokens = tally.num_generation_tokens
         stats.num_prompt_tokens_prefilled = tally.num_prompt_tokens_prefilled
         stats.inter_token_latencies_s = tally.inter_token_latencies_s
+        if scheduler_output.scheduled_encoder_inputs or self._encoder_cache_hits:
+            stats.mm_images_encoded = len(scheduler_output.scheduled_encoder_inputs)
+            stats.mm_encoder_cache_hits, self._encoder_cache_hits = self._encoder_cache_hits, 0
+            stats.mm_encoder_seconds = runner_output.encoder_seconds
         scheduled_times = {
             r.req_id: self._scheduled_times.pop(r.req_id)
             for r in scheduler_output.scheduled_new_reqs

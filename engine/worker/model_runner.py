@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,12 +202,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        encoder_seconds = 0.0
         if scheduler_output.scheduled_encoder_inputs:
             if self.encoder_runner is None:
                 raise ValueError("this model takes no images")
+            started = time.perf_counter()
             self.encoder_runner.run_encoders(scheduler_output.scheduled_encoder_inputs)
+            encoder_seconds = time.perf_counter() - started
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], {}, [])
+            return ModelRunnerOutput([], {}, [], encoder_seconds=encoder_seconds)
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)
         if self.draft_model is not None:
@@ -223,6 +227,7 @@ class ModelRunner:
             logprobs=sampled[1],
             prompt_logprobs=prompt_logprobs,
             pooled=self._pool(inputs, hidden_states),
+            encoder_seconds=encoder_seconds,
         )
 
     def _pool(self, inputs: ModelInputs, hidden_states: torch.Tensor) -> dict[str, list[float]]:

@@ -5,6 +5,7 @@ build its SamplingParams and queue it. Every API that answers with an assistant 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from server.chat.images import load_chat_images
 from server.chat.output import ChoiceParser
 from server.chat.reasoning import grammar_after_reasoning
 from server.chat.reasoning import keeps_special_tokens as reasoning_keeps_special_tokens
@@ -84,7 +86,22 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     if (plan.mode == "auto" and tool_parser_keeps_special_tokens(plan.parser)) or \
             reasoning_keeps_special_tokens(state.reasoning_parser):
         params.skip_special_tokens = False  # the format's markers are special tokens
-    if prompt_token_ids is None:
+    mm_features = None
+    images = await load_chat_images(body.messages, state.limits, state.model_name,
+                                    state.image_processor is not None)
+    if images and prompt_token_ids is None:
+        processor = state.image_processor
+        text, _ = apply_chat_template(state, body.messages, body.add_generation_prompt,
+                                      plan.template_tools, template_kwargs,
+                                      body.continue_final_message, processor.placeholder)
+        try:
+            processed = await asyncio.to_thread(processor.process, text, images)
+        except ValueError as exc:  # the template dropped or repeated an image
+            raise bad_request(f"The chat template did not place the images: {exc}",
+                              "messages") from None
+        prompt_token_ids, mm_features = processed.token_ids, processed.features
+        state.metrics.record_images(len(images))
+    elif prompt_token_ids is None:
         _, prompt_token_ids = apply_chat_template(state, body.messages,
                                                   body.add_generation_prompt,
                                                   plan.template_tools, template_kwargs,
@@ -105,6 +122,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
     request_id = new_request_id(id_prefix)
     active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
                                          priority=body.priority, cache_salt=body.cache_salt,
-                                         lora_request=state.lora_request(body.model))
+                                         lora_request=state.lora_request(body.model),
+                                         mm_features=mm_features)
     return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids),
                    state.response_model(body.model))

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from server.chat.images import part_image_url
 from server.chat.tools import template_tool_calls
 from server.chat.translate import content_text
 from server.common.errors import bad_request, validation_error
@@ -31,6 +32,26 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
 def message_text(message: ChatMessage) -> str:
     """The text of a chat message's content (a string or text parts)."""
     return content_text(message.content)
+
+
+def template_content(message: ChatMessage, content_format: str,
+                     image_placeholder: str | None) -> Any:
+    """A message's content as the chat template takes it: a list of parts ("openai"
+    format: text parts, and {"type": "image"} where an image was) or a string (the text
+    parts and, where an image was, the model's placeholder, joined by newlines).
+
+    Example ("string", placeholder "<image>"): [image, text "What is it?"]
+    -> "<image>\nWhat is it?"
+    """
+    content = message.content
+    if not isinstance(content, list) or all(part_image_url(p) is None for p in content):
+        text = message_text(message)
+        return [{"type": "text", "text": text}] if content_format == "openai" else text
+    if content_format == "openai":
+        return [{"type": "image"} if part_image_url(p) is not None
+                else {"type": "text", "text": p.text or ""} for p in content]
+    return "\n".join(image_placeholder or "" if part_image_url(p) is not None else p.text or ""
+                     for p in content)
 
 
 # chat_template_kwargs: at most this much JSON, and never a name the server sets itself.
@@ -61,8 +82,12 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
                         add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
                         template_kwargs: dict[str, Any] | None = None,
-                        continue_final_message: bool = False) -> tuple[str, list[int]]:
+                        continue_final_message: bool = False,
+                        image_placeholder: str | None = None) -> tuple[str, list[int]]:
     """Render the messages with the model's chat template; returns (text, token ids).
+
+    Image parts become the model's `image_placeholder` (see `template_content`); the
+    caller expands them (server/chat/images.py).
 
     Assistant turns keep their `tool_calls` and tool turns their `tool_call_id`;
     `tools` and `template_kwargs` are passed to the template. With
@@ -81,9 +106,7 @@ def apply_chat_template(state: ServerState, messages: Sequence[ChatMessage],
                           "/v1/completions.", "messages")
     conversation = []
     for message in messages:
-        text = message_text(message)
-        content: Any = [{"type": "text", "text": text}] \
-            if state.chat_content_format == "openai" else text
+        content = template_content(message, state.chat_content_format, image_placeholder)
         turn: dict[str, Any] = {"role": message.role, "content": content}
         if message.name:
             turn["name"] = message.name  # for templates that use it

@@ -34,6 +34,7 @@ from typing import Any
 from engine.config import byte_size, option, positive_int, positive_seconds
 from engine.frontend.async_engine import AsyncEngine, RequestStream
 from engine.lora_request import LoRARequest
+from engine.multimodal.inputs import ImageFeature
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from server.common.api_label import GENERATION_PATHS
@@ -55,6 +56,31 @@ def max_logprobs_value(text: str) -> int:
     if not 0 <= value <= MAX_LOGPROBS:
         raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOGPROBS}, got {value}")
     return value
+
+
+def images_per_prompt(text: str) -> int:
+    """--limit-mm-per-prompt: "4", or vLLM's JSON '{"image": 4}'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a number or {{\"image\": N}}, got {text!r}") \
+            from None
+    if isinstance(value, dict):
+        unknown = set(value) - {"image"}
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"only images are served; {', '.join(sorted(unknown))} cannot be limited")
+        value = value.get("image", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise argparse.ArgumentTypeError(f"the limit must be a whole number >= 0, got {text!r}")
+    return value
+
+
+def domain_list(text: str) -> list[str]:
+    """--allowed-media-domains: comma-separated host names."""
+    return [part.strip().lower() for part in text.split(",") if part.strip()]
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,20 @@ class ServerLimits:
     responses_store_ttl_s: float = option(
         3600.0, "--responses-store-ttl", "Seconds a stored response is kept.", group="limits",
         type=positive_seconds)
+    # Images in (server/chat/images.py, server/common/images.py).
+    max_images_per_prompt: int = option(
+        8, "--limit-mm-per-prompt", "Vision models: most images in one request: a number, or "
+        "vLLM's JSON '{\"image\": 4}'.", group="limits", type=images_per_prompt)
+    max_image_pixels: int = option(
+        36_000_000, "--max-image-pixels", "Largest decoded image (width x height); larger "
+        "ones (and decompression bombs) get 400.", group="limits", type=positive_int)
+    allow_remote_images: bool = option(
+        False, "--allow-remote-images", "Fetch http(s) image URLs from public hosts (default: "
+        "only data: URLs); loopback and private addresses stay refused.", group="limits")
+    allowed_media_domains: list[str] = option(
+        None, "--allowed-media-domains", "Fetch http(s) image URLs from these hosts only "
+        "(and their subdomains); implies --allow-remote-images. Comma-separated.",
+        group="limits", type=domain_list, default_factory=list)
 
 
 def record_failure(metrics: Any, reason: str, count: int = 1) -> None:
@@ -198,12 +238,13 @@ class Lifecycle:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> ActiveRequest:
         """Admit the request (or raise a 503 APIError) and queue its engine requests.
 
         `requests`: (engine request id, prompt token ids, prompt text or None) each;
         `pooling_params`: they are pooling requests (embeddings): one PoolingParams for
-        all, or one each.
+        all, or one each. `mm_features`: the images of the (one) prompt.
         The caller owns the result: it must `finish()` it.
         """
         num_sequences = len(requests) * params.n
@@ -217,7 +258,7 @@ class Lifecycle:
                 streams.append(await self.engine.add_request(
                     token_ids, params, req_id, prompt_text=text, priority=priority,
                     cache_salt=cache_salt, pooling_params=pooling,
-                    lora_request=lora_request))
+                    lora_request=lora_request, mm_features=mm_features))
         except BaseException:
             for stream in streams:
                 await stream.aclose()

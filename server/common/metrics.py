@@ -245,6 +245,16 @@ class ServerMetrics:
             "grammar_compile_seconds",
             "Time to compile one grammar in the engine (cache hits are not compiles).",
             TOKEN_LATENCY_BUCKETS_S)
+        # ------------------------------------------------------------ images
+        self.mm_images = counter(
+            "mm_images_total", "Images received in requests (vision models).")
+        self.mm_images_encoded = counter(
+            "mm_images_encoded_total", "Images run through the vision encoder.")
+        self.mm_encoder_cache_hits = counter(
+            "mm_encoder_cache_hits_total", "Images a request read from the encoder cache "
+            "instead of encoding them (another request, or an earlier one, had).")
+        self.mm_encoder_seconds = counter(
+            "mm_encoder_seconds_total", "Seconds the vision encoder ran.")
         # ------------------------------------------------------------ embeddings
         self.embedding_inputs = counter(
             "embedding_inputs_total", "Inputs embedded (each is one pooling request).")
@@ -344,6 +354,10 @@ class ServerMetrics:
             self._on_spec_decode(stats)
         if stats.spec_num_grammar_cut_tokens:  # a draft cut whole is not verified at all
             self.spec_decode_num_grammar_cut_tokens.inc(stats.spec_num_grammar_cut_tokens)
+        if stats.mm_images_encoded or stats.mm_encoder_cache_hits:
+            self.mm_images_encoded.inc(stats.mm_images_encoded)
+            self.mm_encoder_cache_hits.inc(stats.mm_encoder_cache_hits)
+            self.mm_encoder_seconds.inc(stats.mm_encoder_seconds)
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)
@@ -414,6 +428,10 @@ class ServerMetrics:
         """Count the prompts of a request the engine will constrain (None: free ones)."""
         if params is not None:
             self.structured_requests[params.kind].inc(num_prompts)
+
+    def record_images(self, num_images: int) -> None:
+        """Count the images of a request that reaches the engine."""
+        self.mm_images.inc(num_images)
 
     def record_embeddings(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
         """Count one answered embedding request: its inputs, their tokens, its time."""

@@ -225,11 +225,20 @@ class CompletionStreamResponse(OpenAIResponse):
 
 
 # ----------------------------------------------------------------------- chat
+class ImageURL(OpenAIRequest):
+    url: str = Field(..., description="A data URL (data:image/png;base64,...) or, when the "
+                     "server allows remote images, an http(s) URL.")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="Accepted; the model's processor decides the resolution.")
+
+
 class ChatContentPart(OpenAIRequest):
-    model_config = ConfigDict(extra="allow")  # the type decides; non-text types are refused
+    model_config = ConfigDict(extra="allow")  # the type decides; other types are refused
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = Field(None, description="An 'image_url' part's image "
+                                       "(vision models).")
 
 
 class FunctionCall(OpenAIRequest):
@@ -314,11 +323,17 @@ class ChatCompletionRequest(SamplingFields):
             return "function_call", "function_call is not supported."
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
-                for part in message.content:
+                for j, part in enumerate(message.content):
+                    if part.type == "image_url":
+                        if part.image_url is None:
+                            return f"messages[{i}].content[{j}]", (
+                                "an 'image_url' part needs an 'image_url' object with a "
+                                "'url'.")
+                        continue
                     if part.type != "text" or part.text is None:
                         return f"messages[{i}].content", (
                             f"content parts of type {part.type!r} are not supported; only "
-                            "'text' parts with a 'text' field are.")
+                            "'text' parts with a 'text' field and 'image_url' parts are.")
         return None
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.lora_request import LoRARequest
+from engine.multimodal.processor import ImagePromptProcessor
 from engine.pooling_params import PoolingParams
 from engine.sampling_defaults import SamplingDefaults
 from engine.xray_schema import XrayLimits
@@ -73,6 +74,9 @@ class ServerState:
     # None: the base only. `lora_runtime_updating`: /v1/load_lora_adapter and unload.
     lora: LoRAAdapters | None = None
     lora_runtime_updating: bool = False
+    # A vision-language model's prompt processor (engine/multimodal/processor.py); None: the
+    # model takes no images.
+    image_processor: ImagePromptProcessor | None = None
 
     # The Responses API's stored responses (server/apis/responses/store.py; its routes
     # build it from `limits` if not given).

@@ -63,6 +63,7 @@ from engine.model_loader.pooling_config import (
     model_runner_kind,
 )
 from engine.model_loader.resources import load_model_resources
+from engine.multimodal.processor import ImagePromptProcessor
 from engine.sampling_defaults import SamplingDefaults, resolve_sampling_defaults
 from server.chat.reasoning import REASONING_PARSERS
 from server.chat.tool_parsers import TOOL_CALL_PARSERS, parser_for_model_type
@@ -395,6 +396,7 @@ class APIServer:
             cross_encoder=is_cross_encoder(self.model_dir),
             lora=self._lora_adapters(options),
             lora_runtime_updating=runtime_updating_allowed(options.allow_runtime_lora_updating),
+            image_processor=ImagePromptProcessor.for_model(self.model_dir),
         )
         app = build_app(self.state, options.allowed_origins)
         if self.shared_core is not None:

@@ -3,8 +3,8 @@
 Unknown top-level fields are ignored (Anthropic's clients add fields across versions,
 e.g. `container`, `context_management`); every declared field is honoured or refused
 with a 400 (server/apis/anthropic/translator.py). Content blocks are typed by their `type`:
-text, tool_use (assistant), tool_result (user) and thinking (assistant, dropped) are
-accepted; any other type (image, document, ...) is a 400.
+text, image (user; vision models), tool_use (assistant), tool_result (user) and thinking
+(assistant, dropped) are accepted; any other type (document, ...) is a 400.
 """
 
 from __future__ import annotations
@@ -27,6 +27,20 @@ class _Block(AnthropicRequest):
 class TextBlock(_Block):
     type: Literal["text"]
     text: str
+
+
+class ImageSource(AnthropicRequest):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif, image/webp
+    data: str | None = None  # base64
+    url: str | None = None  # url
+
+
+class ImageBlock(_Block):
+    """A user turn's image (base64 data, or a URL the server may fetch)."""
+
+    type: Literal["image"]
+    source: ImageSource
 
 
 class ToolUseBlock(_Block):
@@ -56,11 +70,11 @@ class ThinkingBlock(_Block):
     data: str | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
-                         Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock
+                         | ThinkingBlock, Field(discriminator="type")]
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class AnthropicMessage(AnthropicRequest):

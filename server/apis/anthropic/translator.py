@@ -37,10 +37,12 @@ from server.apis.anthropic.protocol import (
     AnthropicUsage,
     CountTokensRequest,
     CountTokensResponse,
+    ImageBlock,
     MessagesRequest,
 )
 from server.apis.contract import OneTurnTranslator, TurnRequest
 from server.chat import translate
+from server.chat.images import data_url, image_url_part
 from server.chat.run import ChatRun
 from server.chat.sampling import check_model
 from server.chat.template import apply_chat_template, chat_request, check_template_kwargs
@@ -65,11 +67,14 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
         if isinstance(message.content, str):
             chat.append({"role": message.role, "content": message.content})
             continue
-        texts, calls = [], []
+        texts, calls, parts = [], [], []  # parts: text and image parts, when images
         for j, block in enumerate(message.content):
             where = f"messages[{i}].content[{j}]"
             if block.type == "text":
                 texts.append(block.text)
+                parts.append({"type": "text", "text": block.text})
+            elif block.type == "image" and message.role == "user":
+                parts.append(image_url_part(_image_url(block, where)))
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 continue  # earlier reasoning is not sent back to the model
             elif block.type == "tool_use" and message.role == "assistant":
@@ -80,12 +85,26 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
             else:
                 raise bad_request(f"{block.type} blocks are not allowed in a {message.role} "
                                   "message.", where)
-        if texts or calls or message.role == "assistant":
+        if len(parts) > len(texts):  # it has images: the parts, in order
+            chat.append({"role": message.role, "content": parts})
+        elif texts or calls or message.role == "assistant":
             turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
             if calls:
                 turn["tool_calls"] = calls
             chat.append(turn)
     return chat
+
+
+def _image_url(block: ImageBlock, where: str) -> str:
+    """An image block's source as a chat image URL (base64 data as a data URL)."""
+    source = block.source
+    if source.type == "base64":
+        if not source.data:
+            raise bad_request("a base64 image source needs 'data'.", f"{where}.source.data")
+        return data_url(source.media_type, source.data)
+    if not source.url:
+        raise bad_request("a url image source needs 'url'.", f"{where}.source.url")
+    return source.url
 
 
 def _chat_fields(body: CountTokensRequest) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class OllamaToolCall(OllamaRequest):
 class OllamaMessage(OllamaRequest):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = Field(None, description="Not supported (400 if set).")
+    images: list[str] | None = Field(
+        None, description="Base64 images (vision models), before the text.")
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = Field(None, description="A tool message: the tool it answers.")
     tool_call_id: str | None = None
@@ -92,7 +93,8 @@ class OllamaGenerateRequest(_GenerationRequest):
         None, description="A previous answer's `context`: its token ids come first.")
     suffix: str | None = Field(None, description="Not supported (400 if set).")
     template: str | None = Field(None, description="Not supported (400 if set).")
-    images: list[str] | None = Field(None, description="Not supported (400 if set).")
+    images: list[str] | None = Field(
+        None, description="Base64 images (vision models), before the text.")
 
 
 class OllamaShowRequest(OllamaRequest):

@@ -44,6 +44,7 @@ from server.apis.ollama.protocol import (
     OllamaTimings,
 )
 from server.chat import translate
+from server.chat.images import data_url, image_url_part
 from server.chat.run import ChatRun
 from server.chat.sampling import check_model
 from server.chat.template import apply_chat_template, chat_request
@@ -102,14 +103,22 @@ def _common_fields(state: ServerState, body: OllamaChatRequest | OllamaGenerateR
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def _with_images(text: str | None, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or (with Ollama's base64 `images`) the images, then
+    the text, as chat parts."""
+    if not images:
+        return text or ""
+    parts = [image_url_part(data_url(None, image)) for image in images]
+    return [*parts, {"type": "text", "text": text or ""}]
+
+
 def _chat_messages(body: OllamaChatRequest) -> list[dict[str, Any]]:
     chat: list[dict[str, Any]] = []
     pending: list[str] = []  # ids of the last assistant's calls not yet answered
     next_id = 0
-    for i, message in enumerate(body.messages):
-        if message.images:
-            raise bad_request("images are not supported.", f"messages[{i}].images")
-        turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    for message in body.messages:
+        turn: dict[str, Any] = {"role": message.role,
+                                "content": _with_images(message.content, message.images)}
         if message.tool_calls:
             calls = []
             for call in message.tool_calls:
@@ -269,10 +278,10 @@ class GenerateTranslator(_OllamaTranslator):
         for name in ("suffix", "template"):
             if getattr(body, name):
                 raise bad_request(f"{name} is not supported.", name)
-        if body.images:
-            raise bad_request("images are not supported.", "images")
+        if body.images and (body.raw or body.context):
+            raise bad_request("images cannot be sent with raw or context.", "images")
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-            [{"role": "user", "content": body.prompt}]
+            [{"role": "user", "content": _with_images(body.prompt, body.images)}]
         return _common_fields(self.state, body, messages)
 
     def chat_request(self) -> TurnRequest:

@@ -43,6 +43,7 @@ from server.apis.responses.protocol import (
     ResponsesRequest,
 )
 from server.chat import translate
+from server.chat.images import image_url_part
 from server.chat.run import ChatRun
 from server.chat.template import chat_request
 from server.chat.tool_parsers import ToolCall
@@ -64,6 +65,29 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _message_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content: its text, or (with input_image parts) chat parts in
+    order, each image as an image_url part."""
+    if not isinstance(content, list) or not any(_part_type(p) == "input_image" for p in content):
+        return translate.content_text(content, where, _PART_TYPES)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if _part_type(part) == "input_image":
+            url = part.get("image_url") if isinstance(part, dict) else getattr(part, "image_url", None)
+            if not isinstance(url, str) or not url:
+                raise bad_request("an input_image part needs an image_url (a data URL, or an "
+                                  "http(s) URL; file_id is not supported).", f"{where}[{j}]")
+            parts.append(image_url_part(url))
+        else:
+            text = translate.content_text([part], where, _PART_TYPES)  # a 400 if not text
+            parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _part_type(part: Any) -> Any:
+    return part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+
+
 def _input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     """The chat messages of `input` (see the module doc)."""
     if isinstance(items, str):
@@ -76,7 +100,7 @@ def _input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if item.role is None:
                 raise bad_request("a message item needs a role.", f"{where}.role")
             messages.append({"role": item.role,
-                             "content": translate.content_text(item.content, f"{where}.content", _PART_TYPES)})
+                             "content": _message_content(item.content, f"{where}.content")})
         elif kind == "function_call":
             if not item.call_id or not item.name:
                 raise bad_request("a function_call item needs a call_id and a name.", where)

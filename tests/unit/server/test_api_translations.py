@@ -95,9 +95,15 @@ def test_responses_items_become_chat_turns():
                                                           "arguments": "{\"x\": 1}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"}]
-    with pytest.raises(APIError) as info:
+    # An input_image becomes a chat image_url part, in order with the text.
+    assert _input_messages(ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "what?"},
+                                     {"type": "input_image", "image_url": "data:x"}]}]}).input
+    ) == [{"role": "user", "content": [{"type": "text", "text": "what?"},
+                                       {"type": "image_url", "image_url": {"url": "data:x"}}]}]
+    with pytest.raises(APIError) as info:  # file ids are not served
         _input_messages(ResponsesRequest.model_validate({"input": [
-            {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}).input)
+            {"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}).input)
     assert info.value.param == "input[0].content[0]"
 
 

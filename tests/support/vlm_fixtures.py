@@ -1,0 +1,154 @@
+"""A tiny random Idefics3 (SmolVLM-architecture) checkpoint, built offline, and test images.
+
+    build_tiny_idefics3_checkpoint(dir)   -> dir with config.json, model.safetensors, the
+                                             tokenizer (Idefics3's special tokens, a SmolVLM
+                                             chat template) and an Idefics3Processor
+    sample_images()                         -> three RGB PIL images: 64x48, 20x30, 96x32
+
+The shapes, chosen so that every path of the image processor runs on tiny tensors:
+
+    vision tower   image_size 32, patch_size 8: a tile is a 4 x 4 grid of 16 patches
+    connector      scale_factor 2: 16 patches -> 4 image tokens per tile (image_seq_len 4)
+    processor      size longest_edge 64, max_image_size longest_edge 32, splitting on:
+                   a 64x48 image -> resized to 64x48 -> 64x64 -> 2 x 2 tiles + a global tile
+                   a 20x30 image -> 44x64 -> 64x64 -> 2 x 2 tiles + a global tile
+                   a 96x32 image -> 64x22 -> 64x32 -> 1 x 2 tiles + a global tile
+    text model     Llama: hidden 64, 2 layers, 4 query / 2 KV heads of 16, vocab 512
+
+Weights are seeded noise large enough that the logits depend on the image (norm weights
+1 + 0.2 * noise, everything else 0.2 * noise), as tests/support/model_fixtures.py does for
+the text models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.support.model_fixtures import build_tiny_tokenizer
+
+IMAGE_SEQ_LEN = 4  # image tokens per tile: (32 / 8)^2 / 2^2
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+IMAGE_TOKEN = "<image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+# The processor looks up <row_{i}_col_{j}> for i, j in 1..6 (processing_idefics3.py).
+ROW_COL_TOKENS = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+VLM_SPECIAL_TOKENS = [FAKE_IMAGE_TOKEN, IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, END_OF_UTTERANCE,
+                      *ROW_COL_TOKENS]
+
+# SmolVLM-Instruct's template: content is a list of parts, an image part becomes <image>
+# (which the processor expands into the tile sequence).
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def build_vlm_tokenizer():
+    """The tiny byte-level BPE tokenizer plus Idefics3's special tokens; EOS <end_of_utterance>."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VLM_SPECIAL_TOKENS})
+    tokenizer.eos_token = END_OF_UTTERANCE
+    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_idefics3_config(tokenizer, *, tie_word_embeddings: bool = False,
+                         architecture: str = "Idefics3ForConditionalGeneration"):
+    """The Idefics3Config of the shapes in the module doc, its token ids from `tokenizer`."""
+    from transformers import Idefics3Config
+
+    eos_id = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE)
+    text_config = dict(
+        model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2,
+        rope_theta=10000.0, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision_config = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, layer_norm_eps=1e-6)
+    return Idefics3Config(
+        text_config=text_config, vision_config=vision_config, scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        tie_word_embeddings=tie_word_embeddings, architectures=[architecture],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tiny_processor(tokenizer):
+    """Idefics3Processor on the PIL image processor (torchvision is not needed)."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+        do_image_splitting=True)
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                             image_seq_len=IMAGE_SEQ_LEN, chat_template=SMOLVLM_CHAT_TEMPLATE)
+
+
+def build_hf_idefics3(config, seed: int = 0):
+    """transformers' Idefics3ForConditionalGeneration with seeded noise weights (fp32, eval)."""
+    from transformers import Idefics3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied lm_head is listed once
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
+    return model.eval()
+
+
+def build_tiny_idefics3_checkpoint(out_dir: str | Path, seed: int = 0, *,
+                                   tie_word_embeddings: bool = False,
+                                   architecture: str = "Idefics3ForConditionalGeneration"
+                                   ) -> Path:
+    """Save the tiny random checkpoint (safetensors), its tokenizer, processor and
+    generation config into `out_dir`; `transformers.Idefics3ForConditionalGeneration` and
+    `AutoProcessor` load it from there. `architecture` "SmolVLMForConditionalGeneration"
+    writes that name into config.json (same weights and layout)."""
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
+    tokenizer = build_vlm_tokenizer()
+    config = tiny_idefics3_config(tokenizer, tie_word_embeddings=tie_word_embeddings)
+    model = build_hf_idefics3(config, seed)
+    model.config.architectures = [architecture]
+    model.save_pretrained(out_dir)
+    eos_id = tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out_dir)
+    processor = build_tiny_processor(tokenizer)
+    processor.save_pretrained(out_dir)  # also writes the tokenizer (with its template)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def sample_images():
+    """Three RGB PIL images of different sizes and aspect ratios, deterministic noise
+    plus a gradient each (64x48, 20x30, 96x32; width x height)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1234)
+    images = []
+    for width, height in ((64, 48), (20, 30), (96, 32)):
+        noise = rng.integers(0, 256, size=(height, width, 3))
+        ramp = np.linspace(0, 255, width)[None, :, None] * rng.uniform(0.2, 1.0, size=3)
+        pixels = (0.6 * noise + 0.4 * ramp).clip(0, 255).astype(np.uint8)
+        images.append(Image.fromarray(pixels, mode="RGB"))
+    return images
+
+
+sample_images.__test__ = False  # a helper, not a pytest test
