@@ -12,11 +12,9 @@ import io
 import random
 import resource
 import socket
-import struct
 import threading
 import time
 import warnings
-import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -31,6 +29,7 @@ from server.common.images import (
     is_public_address,
     load_image_url,
 )
+from tests.support.vlm_fixtures import bilevel_png
 
 LIMITS = ImageLimits()
 LOCAL = ImageLimits(allow_remote=True, allow_private_addresses=True)
@@ -204,24 +203,8 @@ def test_text_and_tiff_unsupported():
     assert _error(decode_image_bytes, b"", LIMITS).code == "invalid_image"
 
 
-def _bilevel_png(width: int, height: int) -> bytes:
-    """A real width x height PNG of zeros at 1 bit per pixel, built without Pillow: a
-    20000 x 20000 one is ~50 MB inflated and compresses to tens of KB."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + \
-            struct.pack(">I", zlib.crc32(kind + body))
-    rows = (b"\x00" + bytes((width + 7) // 8)) * 1000
-    compressor = zlib.compressobj(9)
-    idat = b"".join(compressor.compress(rows) for _ in range(height // 1000))
-    idat += compressor.compress((b"\x00" + bytes((width + 7) // 8)) * (height % 1000))
-    idat += compressor.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat)
-            + chunk(b"IEND", b""))
-
-
 def test_decompression_bomb_refused_quickly():
-    bomb = _bilevel_png(20_000, 20_000)
+    bomb = bilevel_png(20_000, 20_000)
     assert len(bomb) < 1_000_000
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -229,7 +212,7 @@ def test_decompression_bomb_refused_quickly():
     assert time.perf_counter() - start < 2.0
     assert error.code == "image_too_large" and "36,000,000 pixels" in error.message
     # Under Pillow's threshold, over ours: refused from the header, with the size.
-    error = _error(decode_image_bytes, _bilevel_png(8000, 8000), LIMITS)
+    error = _error(decode_image_bytes, bilevel_png(8000, 8000), LIMITS)
     assert error.code == "image_too_large"
     assert "8000x8000" in error.message and "36,000,000 pixels" in error.message
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
@@ -237,7 +220,7 @@ def test_decompression_bomb_refused_quickly():
     # Pillow's warning threshold (Image.MAX_IMAGE_PIXELS), where warnings are errors.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        error = _error(decode_image_bytes, _bilevel_png(10_000, 9_000),
+        error = _error(decode_image_bytes, bilevel_png(10_000, 9_000),
                        ImageLimits(max_image_pixels=200_000_000))
     assert error.code == "image_too_large"
     assert f"{Image.MAX_IMAGE_PIXELS:,} pixels" in error.message

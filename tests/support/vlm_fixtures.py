@@ -22,6 +22,8 @@ the text models.
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +154,19 @@ def sample_images():
 
 
 sample_images.__test__ = False  # a helper, not a pytest test
+
+
+def bilevel_png(width: int, height: int) -> bytes:
+    """A real width x height PNG of zeros at 1 bit per pixel, built without Pillow: a
+    20000 x 20000 one is ~50 MB inflated and compresses to tens of KB."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + \
+            struct.pack(">I", zlib.crc32(kind + body))
+    rows = (b"\x00" + bytes((width + 7) // 8)) * 1000
+    compressor = zlib.compressobj(9)
+    idat = b"".join(compressor.compress(rows) for _ in range(height // 1000))
+    idat += compressor.compress((b"\x00" + bytes((width + 7) // 8)) * (height % 1000))
+    idat += compressor.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat)
+            + chunk(b"IEND", b""))
