@@ -78,6 +78,7 @@ def paged_attention_ref(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    bidirectional_spans: dict[int, list[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its whole (paged) context.
 
@@ -90,6 +91,9 @@ def paged_attention_ref(
     ``max_query_len`` is accepted for signature compatibility and ignored. With
     ``sliding_window`` W the query at position ``p`` sees only keys ``p - W + 1 .. p``. With
     ``logit_softcap`` c each scaled score s becomes ``c * tanh(s / c)`` before the softmax.
+    ``bidirectional_spans`` {r: [(first, end)]}: a query of request ``r`` at a position in
+    ``[first, end)`` also sees the later keys of that span (Gemma 3's image tokens); the
+    window still bounds the earlier keys.
     """
     del max_query_len
     num_heads = query.shape[1]
@@ -115,6 +119,10 @@ def paged_attention_ref(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         causal = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+        for span_first, span_end in (bidirectional_spans or {}).get(r, ()):
+            span_q = (q_pos >= span_first) & (q_pos < span_end)
+            span_k = (k_pos >= span_first) & (k_pos < span_end)
+            causal |= span_q[:, None] & span_k[None, :]
         if sliding_window is not None:
             causal &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal, float("-inf"))

@@ -35,6 +35,11 @@ class AttentionMetadata:
     # Host copies, so backends can plan without a device sync.
     query_start_loc_np: np.ndarray
     seq_lens_np: np.ndarray
+    # Images whose tokens attend to each other both ways (Gemma 3): request index ->
+    # [(first position, end position)] of each such run among the request's queries. Their
+    # keys are the causal ones OR the run's own (a sliding window still applies); the
+    # scheduler never splits such a run across steps. None: causal everywhere.
+    bidirectional_spans: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
     def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray,

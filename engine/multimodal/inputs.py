@@ -55,6 +55,9 @@ class ImageFeature:
     # The model processor's outputs for this image, by name (e.g. "pixel_values"
     # [tiles, 3, H, W] float32, "pixel_attention_mask" [tiles, H, W] bool).
     tensors: dict[str, TensorData]
+    # Its soft tokens attend to each other both ways (Gemma 3): the scheduler computes
+    # them in one step, the attention ORs their block into the causal mask.
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -65,6 +68,11 @@ class ImageFeature:
     def num_embeds(self) -> int:
         """Encoder output rows the image takes (its cost in the encoder budget)."""
         return self.length if self.is_embed is None else int(sum(self.is_embed))
+
+    def embed_span(self) -> tuple[int, int]:
+        """[first, end) prompt positions from the first to the last embedding row's."""
+        rows = np.flatnonzero(self.embed_mask())
+        return self.offset + int(rows[0]), self.offset + int(rows[-1]) + 1
 
     def embed_mask(self) -> np.ndarray:
         """is_embed as a bool array of `length`."""

@@ -28,6 +28,11 @@ import numpy as np
 
 from engine.multimodal.inputs import ImageFeature, TensorData
 
+# Models whose processor expands another token than `image_token` (what their chat
+# templates write for one image), and models whose image tokens attend both ways.
+_PLACEHOLDER_ATTRIBUTE = {"gemma3": "boi_token"}
+_BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
+
 # Keys of a processor's output that are the text's, not the image's.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
@@ -48,11 +53,13 @@ class ProcessedPrompt:
 class ImagePromptProcessor:
     """The checkpoint's processor, one image at a time (see the module doc)."""
 
-    def __init__(self, hf_processor: Any, image_token_id: int, placeholder: str):
+    def __init__(self, hf_processor: Any, image_token_id: int, placeholder: str,
+                 bidirectional: bool = False):
         self.hf_processor = hf_processor
         self.tokenizer = hf_processor.tokenizer
         self.image_token_id = image_token_id
         self.placeholder = placeholder  # what a chat template writes for one image
+        self.bidirectional = bidirectional  # the model's image tokens attend both ways
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config: Any) -> ImagePromptProcessor | None:
@@ -67,10 +74,13 @@ class ImagePromptProcessor:
             hf_processor = AutoProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError):
             return None
-        placeholder = getattr(hf_processor, "image_token", None)
+        model_type = getattr(hf_config, "model_type", "")
+        placeholder = getattr(hf_processor,
+                              _PLACEHOLDER_ATTRIBUTE.get(model_type, "image_token"), None)
         if not placeholder or not hasattr(hf_processor, "image_processor"):
             return None
-        return cls(hf_processor, int(image_token_id), str(placeholder))
+        return cls(hf_processor, int(image_token_id), str(placeholder),
+                   bidirectional=model_type in _BIDIRECTIONAL_IMAGES)
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> ImagePromptProcessor | None:
@@ -102,7 +112,8 @@ class ImagePromptProcessor:
             is_embed = (run == self.image_token_id).astype(np.int8)
             features.append(ImageFeature(
                 identifier=images[index].content_hash, offset=len(token_ids), length=len(run),
-                is_embed=None if is_embed.all() else is_embed.tolist(), tensors=tensors))
+                is_embed=None if is_embed.all() else is_embed.tolist(), tensors=tensors,
+                bidirectional=self.bidirectional))
             token_ids.extend(run.tolist())
         return ProcessedPrompt(token_ids, features)
 

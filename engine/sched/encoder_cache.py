@@ -129,6 +129,9 @@ def plan_encoder_inputs(cache: EncoderCacheManager, request: Request, start: int
     budget, so an image larger than it still runs); otherwise the request computes only
     the tokens before it, which may be none (then it waits for a later step).
 
+    A bidirectional image (Gemma 3) is never split: a chunk that would end inside its
+    soft tokens stops before them.
+
     Worked example (start 10, 30 new tokens, budget 16 rows): images x at 12..21
     (8 rows), y at 25..34 (12 rows) -> x encoded (budget 8 left), y does not fit ->
     num_new_tokens 25 - 10 = 15: the step computes 10..24, y waits.
@@ -141,6 +144,15 @@ def plan_encoder_inputs(cache: EncoderCacheManager, request: Request, start: int
             break
         if feature.end <= start:
             continue  # its KV is computed (an earlier chunk, or a prefix-cache hit)
+        if feature.bidirectional:
+            # Its soft tokens see each other: they are computed in one step. A chunk that
+            # would end among them stops before them (or, if it starts among them after a
+            # prefix-cache hit, waits for a step with room for the rest).
+            first, end = feature.embed_span()
+            if first < start + plan.num_new_tokens < end:
+                plan.num_new_tokens = max(0, first - start)
+                if plan.num_new_tokens == 0:
+                    break
         identifier = feature.identifier
         if cache.holds(identifier):
             plan.held.append(identifier)

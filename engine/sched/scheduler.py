@@ -146,6 +146,13 @@ class Scheduler:
                 f"a pooling prompt of {request.num_prompt_tokens} tokens exceeds "
                 f"max_num_batched_tokens {self.config.max_num_batched_tokens} (it is "
                 "computed in one step)")
+        for feature in request.mm_features:
+            first, end = feature.embed_span() if feature.bidirectional else (0, 0)
+            if end - first > self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"an image of {end - first} tokens that attend to each other must be "
+                    f"computed in one step, but max_num_batched_tokens is "
+                    f"{self.config.max_num_batched_tokens}")
         if request.lora_request is not None and not self.max_loras:
             raise ValueError(f"request {request.req_id!r} names LoRA adapter "
                              f"{request.lora_request.name!r}, but adapters need --enable-lora "

@@ -67,6 +67,25 @@ class EncoderRunner:
             self.cache[feature.identifier] = rows
             self.num_encoded += 1
 
+    def bidirectional_spans(self, req_ids: list[str], num_computed: np.ndarray,
+                            num_scheduled: np.ndarray) -> dict[int, list[tuple[int, int]]] | None:
+        """Request index -> the runs of bidirectional image tokens among its positions of
+        the step (AttentionMetadata.bidirectional_spans); None when there are none.
+
+        Example: request 1 computes positions 10..39, its image's soft tokens are 14..29
+        -> {1: [(14, 30)]}.
+        """
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for index, (req_id, computed, count) in enumerate(zip(
+                req_ids, num_computed.tolist(), num_scheduled.tolist(), strict=True)):
+            for feature in self._features.get(req_id, ()):
+                if not feature.bidirectional:
+                    continue
+                first, end = feature.embed_span()
+                if first < computed + count and end > computed:
+                    spans.setdefault(index, []).append((first, end))
+        return spans or None
+
     def gather(self, req_ids: list[str], num_computed: np.ndarray,
                num_scheduled: np.ndarray) -> StepImageEmbeds | None:
         """The image rows of a step's tokens; None when no token is an image position.

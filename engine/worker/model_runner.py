@@ -437,6 +437,14 @@ class ModelRunner:
                 + offsets_in_block)
             for table in batch.extra_block_tables
         ]
+        if self.encoder_runner is not None and self.encoder_runner.has_requests:
+            spans = self.encoder_runner.bidirectional_spans(req_ids, num_computed, num_scheduled)
+            if spans and self.backend.name != "torch":
+                raise NotImplementedError(
+                    f"images whose tokens attend both ways (Gemma 3) need the torch attention "
+                    f"backend; this engine runs {self.backend.name!r}")
+            for group in (metadata, *extra_group_metadata):
+                group.bidirectional_spans = spans
 
         # A request samples once every token it knows is computed; a request in the
         # middle of a chunked prefill does not.

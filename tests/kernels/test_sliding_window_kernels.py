@@ -82,6 +82,28 @@ def test_torch_backend_sliding_window(window, use_cpu_kernel):
     torch.testing.assert_close(out, reference(batch, window, scale), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["cpp", "sdpa"])
+@pytest.mark.parametrize("window", [None, 5, 12])
+def test_torch_backend_bidirectional_image_spans(window, use_cpu_kernel):
+    """Gemma 3's image tokens see their whole run (request 0: two runs of a 40-token
+    prefill, request 1: a run in a chunk after 50 cached tokens); everyone else is causal."""
+    if use_cpu_kernel:
+        cpu_attention_kernel()
+    spans = {0: [(5, 15), (20, 30)], 1: [(51, 55)]}
+    scale = 64**-0.5
+    out, batch = torch_backend_forward(window, use_cpu_kernel, scale, bidirectional_spans=spans)
+    expected = paged_attention_ref(batch.query, batch.kv_cache, batch.block_table,
+                                   batch.query_start_loc, batch.seq_lens, scale,
+                                   sliding_window=window,
+                                   bidirectional_spans=spans)[:batch.num_real]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    causal = reference(batch, window, scale)
+    assert not torch.allclose(out[5:14], causal[5:14])  # the spans did change them
+    # Queries outside the runs (and each run's last) attend as before.
+    for rows in (slice(0, 5), slice(14, 20), slice(29, 41), slice(44, None)):
+        torch.testing.assert_close(out[rows], causal[rows], rtol=1e-5, atol=1e-5)
+
+
 def test_torch_backend_window_without_cache():
     """The profiling pass (no cache yet): windowed causal attention over the new tokens."""
     from engine.attention.backends.torch_backend import TorchAttentionBackend

@@ -217,7 +217,7 @@ def filled_batch(num_heads=8, num_kv_heads=2, head_size=64):
 
 
 def torch_backend_forward(window: int | None, use_cpu_kernel: bool, scale: float,
-                          **forward_kwargs):
+                          bidirectional_spans=None, **forward_kwargs):
     """(out [num_real rows], batch): TorchAttentionBackend.forward over WINDOW_BATCH with
     a poisoned table (the real one when `window` is None); the batch's cache then holds
     the new keys and values, as the reference expects."""
@@ -235,7 +235,8 @@ def torch_backend_forward(window: int | None, use_cpu_kernel: bool, scale: float
         num_actual_tokens=batch.num_real, max_query_len=batch.max_query_len,
         max_seq_len=int(batch.seq_lens.max()), query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens, block_table=table, slot_mapping=batch.slot_mapping,
-        query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy())
+        query_start_loc_np=batch.query_start_loc.numpy(), seq_lens_np=batch.seq_lens.numpy(),
+        bidirectional_spans=bidirectional_spans)
     out = backend.forward(batch.query, batch.key, batch.value, head_major, metadata, scale,
                           sliding_window=window, **forward_kwargs)
     pagedserve_kernels.reference.reshape_and_cache_ref(batch.key, batch.value, batch.kv_cache,

@@ -153,6 +153,8 @@ class KernelRows:
         query_lens = metadata.query_lens_np
         # Batch invariant: every row here, however long its chunk (engine.batch_invariant).
         takes = query_lens <= (np.inf if batch_invariant.enabled() else KERNEL_MAX_CHUNK)
+        if metadata.bidirectional_spans:  # the kernel is causal: SDPA with their mask
+            takes[list(metadata.bidirectional_spans)] = False
         qsl = metadata.query_start_loc_np
         reqs = np.flatnonzero(takes)
         lens = query_lens[reqs]
@@ -305,7 +307,11 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache, metadata.block_table[req : req + 1, first_block:], seq_len - first_key,
                 self.scratch)  # the window mask needs only relative positions
             keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)
-        out[start:end] = _causal_attention(q, keys, values, scores, sliding_window)
+        spans = metadata.bidirectional_spans and metadata.bidirectional_spans.get(req)
+        if spans:  # positions relative to the context's first key
+            first_key = seq_len - keys.shape[1]
+            spans = [(first - first_key, end - first_key) for first, end in spans]
+        out[start:end] = _causal_attention(q, keys, values, scores, sliding_window, spans)
 
     def _prefill_without_cache(self, query, key, value, metadata, scores: Scores, out,
                                sliding_window: int | None = None) -> None:
@@ -349,7 +355,8 @@ class Scores:
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores: Scores,
-                      sliding_window: int | None = None):
+                      sliding_window: int | None = None,
+                      spans: list[tuple[int, int]] | None = None):
     """q [L, Hq, D] are the LAST L positions of a head-major context k, v [Hkv, S, D]
     (a whole sequence, or its tail from some block on).
 
@@ -362,6 +369,14 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
     With a sliding window W it sees only the last W of those (absolute positions
     p - W + 1 .. p; W=2: q0 -> keys 2 3, q1 -> keys 3 4).
 
+    `spans` (context positions [first, end)): a query inside one also sees the span's
+    later keys, as Gemma 3's image tokens do (the window still applies to earlier keys):
+
+        S=5, L=3, span (2, 4):  keys   0 1 2 3 4
+                                q0 ->  1 1 1 1 0     (position 2, in the span: sees 3)
+                                q1 ->  1 1 1 1 0
+                                q2 ->  1 1 1 1 1
+
     KV heads are expanded to the query heads and inputs made 4-D: that is what lets
     SDPA take its fused CPU kernel instead of the slower math path.
     """
@@ -370,12 +385,17 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=0).unsqueeze(0)
-    if query_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
+    if (query_len == seq_len and (sliding_window is None or sliding_window >= seq_len)
+            and not spans):
         result = scores.attend(qh, kh, vh, is_causal=True)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        for first, end in spans or ():
+            in_span_q = (query_pos >= first) & (query_pos < end)
+            in_span_k = (key_pos >= first) & (key_pos < end)
+            mask |= in_span_q[:, None] & in_span_k[None, :]
         if sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         result = scores.attend(qh, kh, vh, mask)

@@ -151,3 +151,25 @@ def test_encoder_cache_evicts_oldest_freeable_and_never_a_kept_one():
     cache.allocate("c", 6, "r4")
     assert not cache.make_room(1)  # everything in use
     assert cache.take_evicted() == []
+
+
+def test_a_bidirectional_image_is_never_split_across_steps():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    x = image("x", 6, 12, num_markers=1)  # soft tokens at 7..17
+    x.bidirectional = True
+    add(scheduler, "a", prompt_with_images(30, [x]), mm_features=[x])
+    first, _ = step(scheduler)
+    assert first.num_scheduled_tokens == {"a": 7}  # stops before the soft tokens
+    assert encoded(first) == ["x"]  # its run (the marker at 6) has begun
+    second, _ = step(scheduler)
+    assert second.num_scheduled_tokens == {"a": 16} and encoded(second) == []
+
+
+def test_a_bidirectional_image_longer_than_a_step_is_refused():
+    import pytest
+
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    x = image("x", 2, 20)
+    x.bidirectional = True
+    with pytest.raises(ValueError, match="one step"):
+        add(scheduler, "a", prompt_with_images(30, [x]), mm_features=[x])
