@@ -63,6 +63,9 @@ class XrayRequest(msgspec.Struct, omit_defaults=True):
     num_blocks_by_group: list[int] | None = None
     # A pooling request (embeddings, scores): prefill only, it pools instead of sampling.
     pooling: bool = False
+    # Its images (vision models): how many, and their placeholder tokens in the prompt.
+    num_images: int = 0
+    num_image_tokens: int = 0
     # The LoRA adapter it runs under (--enable-lora); absent for the base model.
     lora_name: str | None = None
     # The API that sent it ("openai_chat", "anthropic_messages", ...: server/common/api_label.py),
@@ -136,6 +139,16 @@ class XraySteps(msgspec.Struct):
     num_finished: list[int]
     num_running: list[int]  # after the step
     num_waiting: list[int]
+    num_images_encoded: list[int] = []  # images the vision encoder ran in the step
+
+
+class XrayEncoderCache(msgspec.Struct):
+    """The vision encoder's outputs kept between steps (engine/sched/encoder_cache.py)."""
+
+    capacity: int  # embedding rows (--encoder-cache-size)
+    num_used: int  # rows held
+    num_entries: int  # images held
+    num_in_use: int  # images some request still needs (the rest are freeable)
 
 
 class XraySnapshot(msgspec.Struct):
@@ -152,6 +165,8 @@ class XraySnapshot(msgspec.Struct):
     blocks: XrayBlockMap
     prefix_tree: XrayPrefixTree
     steps: XraySteps
+    # Vision models only (None: a text model, or no image seen yet).
+    encoder_cache: XrayEncoderCache | None = None
     # Filled by the frontend (server/http/xray.py), not by the core.
     model: str = ""
     show_text: bool = False

@@ -36,6 +36,7 @@ from engine.xray_schema import (
     SCHEMA_VERSION,
     XrayBlockMap,
     XrayConfig,
+    XrayEncoderCache,
     XrayLimits,
     XrayPrefixTree,
     XrayRequest,
@@ -141,6 +142,7 @@ class XrayRecorder:
             len(scheduler_output.scheduled_new_reqs) + cached.resumed_from_preemption.count(True),
             len(scheduler_output.preempted_req_ids), num_finished,
             stats.num_running_reqs, stats.num_waiting_reqs,
+            len(scheduler_output.scheduled_encoder_inputs),
         ))
 
     def prune(self) -> None:
@@ -211,9 +213,18 @@ def build_snapshot(scheduler: Scheduler, recorder: XrayRecorder, num_steps: int,
         blocks=_block_map(manager, limits),
         prefix_tree=_prefix_tree(manager, recorder, limits),
         steps=_steps(recorder.steps),
+        encoder_cache=_encoder_cache(scheduler.encoder_cache),
     )
     snapshot.build_ms = (time.thread_time() - started) * 1000.0
     return snapshot
+
+
+def _encoder_cache(cache) -> XrayEncoderCache | None:
+    """The encoder cache's occupancy; None while it has never held an image."""
+    if cache.num_entries == 0 and not cache.ever_used:
+        return None
+    return XrayEncoderCache(capacity=cache.capacity, num_used=cache.num_used,
+                            num_entries=cache.num_entries, num_in_use=cache.num_in_use)
 
 
 def _steps(rows: deque[tuple]) -> XraySteps:
@@ -251,6 +262,8 @@ def _request(request: Request, manager, now: float, max_block_ids: int,
                              if manager.num_groups > 1 else None),
         pooling=request.pooling_params is not None,
         lora_name=request.lora_request.name if request.lora_request is not None else None,
+        num_images=len(request.mm_features),
+        num_image_tokens=sum(f.num_embeds for f in request.mm_features),
     )
 
 

@@ -41,6 +41,7 @@ class EncoderCacheManager:
         self._freeable: OrderedDict[str, None] = OrderedDict()  # no users, oldest first
         self._size: dict[str, int] = {}  # identifier -> rows, for every held entry
         self._evicted: list[str] = []
+        self.ever_used = False  # some image was ever held (the x-ray shows the cache then)
 
     def holds(self, identifier: str) -> bool:
         return identifier in self._size
@@ -73,6 +74,7 @@ class EncoderCacheManager:
         `make_room` first."""
         self._size[identifier] = num_rows
         self.num_used += num_rows
+        self.ever_used = True
         self._users[identifier] = {req_id}
 
     def release(self, identifier: str, req_id: str) -> None:

@@ -134,3 +134,24 @@ def test_another_image_gives_another_answer_and_shares_no_block_past_it(checkpoi
         assert same.outputs[0].token_ids == first.outputs[0].token_ids
         # a encoded once, b once: the third request read its KV from the prefix cache.
         assert encoder_runner(llm).num_encoded == 2
+
+
+def test_the_xray_shows_images_and_the_encoder_cache(checkpoint):
+    from engine.xray_schema import XrayLimits
+
+    with LLM(str(checkpoint), dtype="float32", max_model_len=512, max_num_batched_tokens=16,
+             encoder_cache_size=64) as llm:
+        prompt = image_prompts()[1]  # two images
+        processed_request = llm._process(prompt, GREEDY, None, None)
+        for core_request in processed_request.core_requests:
+            llm.engine_core.add_request(core_request)
+        llm.engine_core.step()  # a 16-token chunk: the first image starts in it
+        snapshot = llm.engine_core.xray_snapshot(XrayLimits())
+        (request,) = snapshot.running
+        features = processed_request.core_requests[0].mm_features
+        assert request.num_images == 2
+        assert request.num_image_tokens == sum(f.num_embeds for f in features)
+        assert snapshot.encoder_cache.capacity == 64
+        assert snapshot.encoder_cache.num_entries == snapshot.encoder_cache.num_in_use == 1
+        assert snapshot.steps.num_images_encoded[-1] == 1
+        llm.engine_core.abort_requests([request.req_id])
