@@ -11,7 +11,8 @@ Llama decoder (`Idefics3ForConditionalGeneration`, `SmolVLMForConditionalGenerat
 The text model is our `DecoderModel` (paged attention, tensor parallel, quantizable
 linears, the fused CPU stack); the vision tower and the connector are plain torch
 modules (never quantized, replicated on every tensor-parallel rank) that follow
-transformers' `modeling_idefics3.py` op for op.
+transformers' `modeling_idefics3.py` op for op. The tower is SigLIP's encoder
+(engine.models.siglip) behind embeddings that bucket positions by the tile's patch mask.
 
 Checkpoint names (transformers 4.4x and 5) -> ours:
 
@@ -27,24 +28,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.checkpoint_tensor import CheckpointTensor, read_rows
 from engine.models.layers import LMHead, copy_checked
 from engine.models.llama import DecoderForCausalLM
+from engine.models.siglip import SiglipEncoder, SiglipVisionEmbeddings, as_int
 from engine.models.weight_utils import load_named_weights
-
-_VISION_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
-def _as_int(value: Any) -> int:
-    """A config size that may be written as [n, n] (image_size, patch_size)."""
-    return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
 def patch_attention_mask_of(pixel_attention_mask: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -56,18 +46,9 @@ def patch_attention_mask_of(pixel_attention_mask: torch.Tensor, patch_size: int)
     return subgrid.sum(dim=(-1, -2)) > 0
 
 
-class Idefics3VisionEmbeddings(nn.Module):
-    """Patch embedding (a stride-p conv) plus learned position embeddings of a
-    `num_patches_per_side`^2 grid, bucketed for tiles whose valid region is smaller."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        self.patch_size = _as_int(config.patch_size)
-        self.num_patches_per_side = _as_int(config.image_size) // self.patch_size
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size,
-                                         kernel_size=self.patch_size, stride=self.patch_size,
-                                         padding="valid")
-        self.position_embedding = nn.Embedding(self.num_patches_per_side**2, config.hidden_size)
+class Idefics3VisionEmbeddings(SiglipVisionEmbeddings):
+    """SigLIP's patch and position embeddings, the positions bucketed for tiles whose
+    valid region is smaller than the `num_patches_per_side`^2 grid."""
 
     def position_ids(self, patch_attention_mask: torch.Tensor) -> torch.Tensor:
         """[N, h, w] bool -> [N, h * w] long: each valid patch's position in the full grid.
@@ -97,78 +78,8 @@ class Idefics3VisionEmbeddings(nn.Module):
     def forward(self, pixel_values: torch.Tensor,
                 patch_attention_mask: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W], [N, H / p, W / p] bool -> [N, (H / p) * (W / p), hidden]."""
-        embeddings = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
-        return embeddings + self.position_embedding(self.position_ids(patch_attention_mask))
-
-
-class Idefics3VisionAttention(nn.Module):
-    """Bidirectional multi-head attention over a tile's patches; padding patches are
-    masked as keys (their own rows are computed and later ignored)."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
-        if self.head_dim * self.num_heads != config.hidden_size:
-            raise ValueError(f"vision hidden_size {config.hidden_size} is not a multiple of "
-                             f"num_attention_heads {self.num_heads}")
-        self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
-
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """[N, S, hidden], key_mask [N, S] bool (True: attend) or None (all) -> [N, S, hidden]."""
-        batch_size, seq_len, _ = hidden_states.shape
-        shape = (batch_size, seq_len, self.num_heads, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return self.out_proj(out.transpose(1, 2).reshape(batch_size, seq_len, -1))
-
-
-class Idefics3VisionMLP(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        if config.hidden_act not in _VISION_ACTIVATIONS:
-            raise ValueError(f"unsupported vision activation {config.hidden_act!r} "
-                             f"(supported: {', '.join(_VISION_ACTIVATIONS)})")
-        self.act = _VISION_ACTIVATIONS[config.hidden_act]
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Idefics3EncoderLayer(nn.Module):
-    """Pre-norm transformer layer: x + attn(ln1(x)), then x + mlp(ln2(x))."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        self.self_attn = Idefics3VisionAttention(config)
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = Idefics3VisionMLP(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.layer_norm1(hidden_states), key_mask)
-        return hidden_states + self.mlp(self.layer_norm2(hidden_states))
-
-
-class Idefics3Encoder(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.layers = nn.ModuleList(Idefics3EncoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-
-    def forward(self, hidden_states: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, key_mask)
-        return hidden_states
+        return (self.patch_embeddings(pixel_values)
+                + self.position_embedding(self.position_ids(patch_attention_mask)))
 
 
 class Idefics3VisionTransformer(nn.Module):
@@ -177,7 +88,7 @@ class Idefics3VisionTransformer(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         self.embeddings = Idefics3VisionEmbeddings(config)
-        self.encoder = Idefics3Encoder(config)
+        self.encoder = SiglipEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor,
@@ -273,8 +184,8 @@ class Idefics3ForConditionalGeneration(DecoderForCausalLM):
         self.vision_config = config.vision_config
         self.image_token_id = int(config.image_token_id)
         self.scale_factor = int(config.scale_factor)
-        self.patch_size = _as_int(self.vision_config.patch_size)
-        num_patches = (_as_int(self.vision_config.image_size) // self.patch_size) ** 2
+        self.patch_size = as_int(self.vision_config.patch_size)
+        num_patches = (as_int(self.vision_config.image_size) // self.patch_size) ** 2
         self.image_seq_len = num_patches // self.scale_factor**2  # image tokens per tile
         tied = bool(getattr(config, "tie_word_embeddings", False))
         if tied != self.tie_word_embeddings:

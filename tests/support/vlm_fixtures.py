@@ -15,6 +15,23 @@ The shapes, chosen so that every path of the image processor runs on tiny tensor
                    a 96x32 image -> 64x22 -> 64x32 -> 1 x 2 tiles + a global tile
     text model     Llama: hidden 64, 2 layers, 4 query / 2 KV heads of 16, vocab 512
 
+    build_tiny_gemma3_vision_checkpoint(dir) -> dir with a tiny Gemma 3 vision-language
+                                             checkpoint (Gemma3ForConditionalGeneration), its
+                                             tokenizer (<start_of_image>, <image_soft_token>,
+                                             <end_of_image>; a Gemma 3 chat template) and a
+                                             Gemma3Processor on the PIL image processor
+
+The Gemma 3 shapes:
+
+    vision tower   SigLIP, image_size 32, patch_size 8: 16 patches; no pooling head
+    projector      mm_tokens_per_image 4: the 4 x 4 patch grid average-pooled 2 x 2
+    processor      every image resized to 32 x 32 (pan and scan off): one crop, expanded
+                   "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+    text model     Gemma 3: hidden 64, 6 layers (5 local : 1 global, window 64), 4 query /
+                   2 KV heads of 16, vocab 512, tied embeddings, logits not soft-capped
+                   (as every Gemma 3 release; transformers' Gemma3ForConditionalGeneration
+                   would ignore a cap anyway)
+
 Weights are seeded noise large enough that the logits depend on the image (norm weights
 1 + 0.2 * noise, everything else 0.2 * noise), as tests/support/model_fixtures.py does for
 the text models.
@@ -134,6 +151,140 @@ def build_tiny_idefics3_checkpoint(out_dir: str | Path, seed: int = 0, *,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(out_dir)
     processor = build_tiny_processor(tokenizer)
     processor.save_pretrained(out_dir)  # also writes the tokenizer (with its template)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# Gemma 3's image tokens (the names its tokenizer_config.json gives them: boi_token,
+# image_token, eoi_token), and its turn markers.
+GEMMA3_BOI_TOKEN = "<start_of_image>"
+GEMMA3_IMAGE_TOKEN = "<image_soft_token>"
+GEMMA3_EOI_TOKEN = "<end_of_image>"
+GEMMA3_START_OF_TURN = "<start_of_turn>"
+GEMMA3_END_OF_TURN = "<end_of_turn>"
+GEMMA3_MM_TOKENS_PER_IMAGE = 4  # (32 / 8)^2 patches average-pooled 2 x 2
+
+# Gemma 3's template (google/gemma-3-*-it), trimmed of its checks: a system message is
+# folded into the first user turn; an image part writes <start_of_image>, which the
+# processor expands into the image's run.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% if messages[0]['content'] is string %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}"
+    "{% else %}{% set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' %}"
+    "{% endif %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def build_gemma3_vlm_tokenizer():
+    """The tiny byte-level BPE tokenizer plus Gemma 3's image tokens, under the names
+    Gemma3Processor reads (tokenizer.boi_token / image_token / eoi_token and their ids),
+    and its turn markers; EOS <end_of_turn>, Gemma 3's chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = build_tiny_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, bos_token=base.bos_token,
+        eos_token=GEMMA3_END_OF_TURN, pad_token=base.pad_token,
+        extra_special_tokens={"boi_token": GEMMA3_BOI_TOKEN, "image_token": GEMMA3_IMAGE_TOKEN,
+                              "eoi_token": GEMMA3_EOI_TOKEN},
+        chat_template=GEMMA3_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": [GEMMA3_START_OF_TURN,
+                                                                GEMMA3_END_OF_TURN]})
+    return tokenizer
+
+
+def tiny_gemma3_vision_config(tokenizer, *, sliding_window: int = 64,
+                              tie_word_embeddings: bool = True):
+    """The Gemma3Config of the module doc's shapes, its token ids from `tokenizer`."""
+    from transformers import Gemma3Config
+
+    eos_id = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+    text_config = dict(
+        model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=sliding_window, final_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=1024,
+        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision_config = dict(
+        model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, layer_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh", vision_use_head=False)
+    return Gemma3Config(
+        text_config=text_config, vision_config=vision_config,
+        mm_tokens_per_image=GEMMA3_MM_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id, tie_word_embeddings=tie_word_embeddings,
+        architectures=["Gemma3ForConditionalGeneration"],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_gemma3_processor(tokenizer):
+    """Gemma3Processor on the PIL image processor (torchvision is not needed): 32 x 32,
+    pan and scan off, GEMMA3_MM_TOKENS_PER_IMAGE soft tokens an image."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32},
+                                              do_pan_and_scan=False)
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                           image_seq_length=GEMMA3_MM_TOKENS_PER_IMAGE,
+                           chat_template=GEMMA3_CHAT_TEMPLATE)
+
+
+def build_hf_gemma3_vision(config, seed: int = 0):
+    """transformers' Gemma3ForConditionalGeneration with seeded noise weights (fp32, eval)."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied lm_head is listed once
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
+    return model.eval()
+
+
+def build_tiny_gemma3_vision_checkpoint(out_dir: str | Path, seed: int = 0, *,
+                                        sliding_window: int = 64,
+                                        tie_word_embeddings: bool = True) -> Path:
+    """Save the tiny random Gemma 3 vision-language checkpoint (safetensors), its
+    tokenizer, processor and generation config into `out_dir`;
+    `transformers.Gemma3ForConditionalGeneration` and `AutoProcessor` load it from there."""
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
+    tokenizer = build_gemma3_vlm_tokenizer()
+    config = tiny_gemma3_vision_config(tokenizer, sliding_window=sliding_window,
+                                       tie_word_embeddings=tie_word_embeddings)
+    build_hf_gemma3_vision(config, seed).save_pretrained(out_dir)
+    eos_id = tokenizer.convert_tokens_to_ids(GEMMA3_END_OF_TURN)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out_dir)
+    build_gemma3_processor(tokenizer).save_pretrained(out_dir)  # also writes the tokenizer
     tokenizer.save_pretrained(out_dir)
     return out_dir
 
