@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from engine.lora.gguf_adapter import (
     open_gguf_adapter,
     read_gguf_adapter,
 )
+from engine.model_loader.safetensors_header import read_header
 
 if TYPE_CHECKING:  # the HTTP frontend checks adapters without loading torch
     import torch
@@ -173,16 +173,11 @@ def _tensor_shapes(weights_file: Path) -> dict[str, tuple[int, ...]]:
     """A safetensors file's tensor names and shapes, from its header alone (8 bytes of
     little-endian length, then that much JSON)."""
     try:
-        with open(weights_file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > 100 << 20:
-                raise ValueError("header too large")
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as exc:
+        header = read_header(weights_file)
+    except (OSError, ValueError) as exc:
         raise AdapterError(f"LoRA adapter {weights_file.parent}: "
                            f"adapter_model.safetensors is unreadable: {exc}") from None
-    return {key: tuple(value["shape"]) for key, value in header.items()
-            if key != "__metadata__"}
+    return {key: tuple(value["shape"]) for key, value in header.items()}
 
 
 def _layer_index(module: str) -> int | None:

@@ -319,6 +319,10 @@ def test_checkpoint_without_vision_tensors_is_served_as_text(text_only_checkpoin
     assert not any(isinstance(m, nn.Conv2d) for m in model.modules())
     with pytest.raises(ValueError, match="no vision tower"):
         model.encode_images(torch.zeros(3, 32, 32))
+    # The frontend takes no images for it (a request with one is a 400 naming the model).
+    from engine.multimodal.processor import ImagePromptProcessor
+
+    assert ImagePromptProcessor.for_model(text_only_checkpoint) is None
     prompt = list(range(5, 45))
     with torch.no_grad():
         reference = hf_model(torch.tensor([prompt])).logits[0].float()
@@ -390,7 +394,7 @@ def test_image_prompt_processor_on_the_checkpoint(checkpoint, ours, processor, i
         assert feature.embed_span() == (first, end)
         tensors = {name: torch.from_numpy(data.to_array().copy())
                    for name, data in feature.tensors.items()}
-        assert set(tensors) == {"pixel_values"} and tensors["pixel_values"].shape == (3, 32, 32)
+        assert set(tensors) == {"pixel_values"} and tensors["pixel_values"].shape == (1, 3, 32, 32)  # its crops
         with torch.no_grad():
             rows = ours.encode_images(**tensors)
         single = processor.image_processor([image], return_tensors="pt")["pixel_values"]
@@ -426,7 +430,7 @@ def test_images_through_the_engine_match_hf(checkpoint, hf_model, images):
         token_type_ids = torch.zeros(len(processed.token_ids), dtype=torch.long)
         for first, end in spans[-1]:
             token_type_ids[first:end] = 1
-        pixel_values = torch.from_numpy(np.stack(
+        pixel_values = torch.from_numpy(np.concatenate(
             [f.tensors["pixel_values"].to_array() for f in processed.features]))
         with torch.inference_mode():
             out = hf_model.generate(

@@ -155,3 +155,23 @@ def test_the_xray_shows_images_and_the_encoder_cache(checkpoint):
         assert snapshot.encoder_cache.num_entries == snapshot.encoder_cache.num_in_use == 1
         assert snapshot.steps.num_images_encoded[-1] == 1
         llm.engine_core.abort_requests([request.req_id])
+
+
+def test_prompt_ids_equal_the_checkpoint_processor_s_own(checkpoint):
+    """Each image expanded alone, the prompt tokenized whole: the ids transformers'
+    processor gives for the whole prompt and all its images at once."""
+    from transformers import AutoProcessor
+
+    from engine.multimodal.processor import ImagePromptProcessor
+
+    a, b, c = sample_images()
+    prompt = chat_prompt("Compare these three.", 3)
+    ours = ImagePromptProcessor.for_model(checkpoint).process(
+        prompt, [_Image(a), _Image(b), _Image(c)])
+    theirs = AutoProcessor.from_pretrained(checkpoint)(
+        text=[prompt], images=[[a, b, c]], add_special_tokens=False)
+    assert ours.token_ids == list(theirs["input_ids"][0])
+    assert [f.num_embeds for f in ours.features] == [20, 20, 12]  # tiles of 4 soft tokens
+    with pytest.raises(ValueError, match="placeholders"):  # the text spells an image token
+        ImagePromptProcessor.for_model(checkpoint).process(chat_prompt("<image> hi", 1),
+                                                           [_Image(a)])

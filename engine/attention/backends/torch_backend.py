@@ -316,11 +316,12 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill_without_cache(self, query, key, value, metadata, scores: Scores, out,
                                sliding_window: int | None = None) -> None:
         qsl = metadata.query_start_loc_np
+        spans = metadata.bidirectional_spans or {}
         for req in range(metadata.num_reqs):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _causal_attention(
                 query[start:end], key[start:end].transpose(0, 1),
-                value[start:end].transpose(0, 1), scores, sliding_window,
+                value[start:end].transpose(0, 1), scores, sliding_window, spans.get(req),
             )
 
 
