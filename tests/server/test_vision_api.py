@@ -207,3 +207,46 @@ def test_a_text_only_model_refuses_images_naming_itself(tmp_path):
     error = response.json()["error"]
     assert error["code"] == "model_not_multimodal" and "fake-echo" in error["message"]
     assert error["param"] == "messages[0].content[0]"
+
+
+def test_gemma3_images_through_the_server_match_transformers(tmp_path):
+    """Gemma 3: the template writes <start_of_image>, the processor expands it into soft
+    tokens that attend both ways; the server's greedy answer is transformers'."""
+    from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
+
+    from tests.support.server_fixtures import start_model_server
+    from tests.support.vlm_fixtures import build_tiny_gemma3_vision_checkpoint
+
+    checkpoint = build_tiny_gemma3_vision_checkpoint(tmp_path / "gemma3")
+    image = sample_images()[0]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+
+    class Loaded:
+        def __init__(self):
+            self.image, self.content_hash = image, image_content_hash(image)
+
+    out = ImagePromptProcessor.for_model(checkpoint).process(text, [Loaded()])
+    assert out.features[0].bidirectional
+    ids = torch.tensor([out.token_ids])
+    model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    pixel_values = torch.from_numpy(out.features[0].tensors["pixel_values"].to_array().copy())
+    with torch.inference_mode():
+        generated = model.eval().generate(
+            ids, pixel_values=pixel_values,
+            token_type_ids=(ids == model.config.image_token_id).long(),
+            do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=0)
+    want = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
+    server = start_model_server(checkpoint, "--dtype", "float32", "--max-model-len", "256",
+                                name="tiny-gemma")
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+            reply = client.chat.completions.create(
+                model="tiny-gemma", messages=openai_messages(image), max_tokens=MAX_TOKENS,
+                temperature=0, extra_body=EXTRA)
+    finally:
+        server.stop()
+    assert reply.choices[0].message.content == want
+    assert reply.usage.prompt_tokens == len(out.token_ids)
