@@ -187,6 +187,10 @@ def speculative_config_json(text: str) -> SpeculativeConfig:
 class ModelConfig:
     model: str  # a local HF directory, a .gguf file, or a hub id (the CLI's --model)
     served_model_name: str | None = None  # the CLI's --served-model-name (its first name)
+    mmproj: str | None = option(  # engine.model_loader.gguf_mmproj
+        None, "--mmproj", "A llama.cpp vision projector GGUF (mmproj, as llama-server spells "
+        "it) beside a text GGUF --model: serves both, in place, as one vision-language model "
+        "(SmolVLM / Idefics3: projector type idefics3).", group="model")
     dtype: str = option(
         "auto", "--dtype", "Activation and dense-weight dtype; 'auto' on CPU picks bfloat16 "
         "where the CPU has native bf16 (avx512_bf16/AMX) and float32 elsewhere; on CUDA it "

@@ -204,7 +204,8 @@ class MultiprocExecutor:
         from engine.model_loader import resolve_model
 
         config, parallel = self.config, self.config.parallel_config
-        model_dir = resolve_model(config.model_config.model).path  # converts a GGUF once, here
+        model_dir = resolve_model(config.model_config.model,  # converts a GGUF once, here
+                                  mmproj=config.model_config.mmproj).path
         check_tensor_parallel(AutoConfig.from_pretrained(model_dir), self.size)
         node_ranks(parallel, 0)
         self._context = zmq.Context()

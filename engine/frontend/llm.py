@@ -58,7 +58,7 @@ class LLM:
             raise TypeError(f"LLM() {exc}") from None
         from engine.model_loader import resolve_model
 
-        resolved = resolve_model(model)
+        resolved = resolve_model(model, mmproj=options.get("mmproj"))
         self.model_dir = resolved.path
         config = EngineConfig.from_options(str(resolved.path), **options)
         # The tokenizer and EOS ids, as the server loads them: both stop at the same token.

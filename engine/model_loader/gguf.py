@@ -6,6 +6,11 @@ read in place.
         tokenizer.json  tokenizer_config.json  chat_template.jinja
         gguf_source.json   {"gguf_file": "/abs/path/model.gguf"}
 
+With a vision projector (`--mmproj`, engine.model_loader.gguf_mmproj) the key covers both
+files, config.json is the vision-language model's (the text config its `text_config`), the
+processor's files join the tokenizer's, and gguf_source.json names the mmproj too
+(`"mmproj_file"`).
+
 No weights are written: `engine.model_loader.gguf_weights` memory-maps the file when the
 model loads, and each tensor becomes the weight the kernels read in its own block
 format. The directory is written under a temporary name and renamed into place, so it
@@ -41,12 +46,14 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from engine.model_loader import gguf_mmproj
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
 from engine.sampling_defaults import GGUF_SAMPLING_KEYS
 
 # torch is never imported here: the HTTP frontend resolves models through this module.
 
-GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path}: the weights live there
+GGUF_SOURCE_FILE = "gguf_source.json"  # {"gguf_file": path[, "mmproj_file": path]}: the
+# weights live there
 
 logger = logging.getLogger(__name__)
 
@@ -111,18 +118,26 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def converted_dir(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """Where the conversion of `gguf_path` lives (whether or not it exists yet)."""
+def converted_dir(gguf_path: str | Path, cache_dir: str | Path | None = None,
+                  mmproj: str | Path | None = None) -> Path:
+    """Where the conversion of `gguf_path` (with the vision projector `mmproj`, if given)
+    lives, whether or not it exists yet."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
     key = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
+    if mmproj is not None:
+        mmproj = Path(mmproj).resolve()
+        mmproj_stat = mmproj.stat()
+        key += f"|mmproj {mmproj}|{mmproj_stat.st_size}|{mmproj_stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
-def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """The HF checkpoint dir for `gguf_path`, converting it first if not cached yet."""
-    target = converted_dir(gguf_path, cache_dir)
+def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None,
+                     mmproj: str | Path | None = None) -> Path:
+    """The HF checkpoint dir for `gguf_path` (and its vision projector `mmproj`), converting
+    it first if not cached yet."""
+    target = converted_dir(gguf_path, cache_dir, mmproj)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -130,13 +145,13 @@ def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         if "torch" in sys.modules:
-            convert_gguf(gguf_path, tmp)
+            convert_gguf(gguf_path, tmp, mmproj)
         else:
             # transformers' GGUF tokenizer reader imports torch: convert in a child so a
             # process without torch (the HTTP frontend, server/http/torch_free.py) stays so.
             spawn = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                pool.submit(convert_gguf, gguf_path, tmp).result()
+                pool.submit(convert_gguf, gguf_path, tmp, mmproj).result()
         try:
             os.rename(tmp, target)
         except OSError:
@@ -144,24 +159,28 @@ def ensure_converted(gguf_path: str | Path, cache_dir: str | Path | None = None)
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _remove_superseded(target, Path(gguf_path).resolve())
+    _remove_superseded(target, Path(gguf_path).resolve(),
+                       None if mmproj is None else Path(mmproj).resolve())
     return target
 
 
-def _remove_superseded(target: Path, gguf_path: Path) -> None:
+def _remove_superseded(target: Path, gguf_path: Path, mmproj: Path | None = None) -> None:
     """Delete the cache dirs this conversion replaces: earlier conversions of the same
-    file (since changed), and the dense safetensors copies that converters before
-    version 4 wrote for a file of this name (this version never reads them; they were
-    several times the file's size)."""
+    file (with the same mmproj, or none, as this one; one of them since changed), and the
+    dense safetensors copies that converters before version 4 wrote for a file of this
+    name (this version never reads them; they were several times the file's size)."""
     for other in target.parent.glob(f"{gguf_path.stem}-*"):
         if other == target or not other.is_dir():
             continue
         try:
-            source = json.loads((other / GGUF_SOURCE_FILE).read_text()).get("gguf_file")
+            recorded = json.loads((other / GGUF_SOURCE_FILE).read_text())
         except (OSError, ValueError):
-            source = None
+            recorded = {}
+        source = recorded.get("gguf_file")
+        same_pair = (source == str(gguf_path)
+                     and recorded.get("mmproj_file") == (None if mmproj is None else str(mmproj)))
         dense_copy = source is None and (other / "model.safetensors").exists()
-        if source == str(gguf_path) or dense_copy:
+        if same_pair or dense_copy:
             logger.info("removing superseded GGUF cache %s", other)
             shutil.rmtree(other, ignore_errors=True)
 
@@ -249,19 +268,31 @@ def _expected_shapes(gguf: GGUFFile):
     return expected
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
+                 mmproj: str | Path | None = None) -> None:
     """Write the config, generation config and tokenizer of `gguf_path` into `out_dir`, and
-    where its weights are (the file itself: nothing is dequantized here)."""
+    where its weights are (the file itself: nothing is dequantized here). With `mmproj`
+    (a llama.cpp vision projector): the vision-language model of the two, and its processor
+    (engine.model_loader.gguf_mmproj)."""
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     out_dir.mkdir(parents=True)
     gguf = GGUFFile(gguf_path)
+    if gguf.get("general.architecture") == "clip":
+        raise UnsupportedGGUFError(f"{gguf_path.name} is a vision projector (llama.cpp "
+                                   "mmproj): pass it as --mmproj beside the text model's GGUF")
+    projector = None if mmproj is None else gguf_mmproj.open_mmproj(Path(mmproj).resolve())
     check_tensors(gguf)
-    config = config_from_gguf(gguf)
+    text_config = config_from_gguf(gguf)
     tokenizer = _save_tokenizer(gguf_path, out_dir)
+    config, source = text_config, {"gguf_file": str(gguf_path)}
+    if projector is not None:
+        config = gguf_mmproj.vision_language_config(gguf, text_config, projector, tokenizer)
+        gguf_mmproj.save_processor(projector, tokenizer, out_dir)
+        source["mmproj_file"] = str(projector.path)
     config.save_pretrained(out_dir)
-    _save_generation_config(config, out_dir, end_of_turn_ids(gguf, tokenizer),
+    _save_generation_config(text_config, out_dir, end_of_turn_ids(gguf, tokenizer),
                             gguf_sampling_defaults(gguf))
-    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf_file": str(gguf_path)}))
+    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source))
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:
@@ -270,6 +301,16 @@ def gguf_source(model_dir: str | Path) -> Path | None:
     if not path.is_file():
         return None
     return Path(json.loads(path.read_text())["gguf_file"])
+
+
+def mmproj_source(model_dir: str | Path) -> Path | None:
+    """The vision projector (mmproj) GGUF `model_dir` (a cache directory) pairs with its
+    text GGUF, or None (a text-only model, or no GGUF at all)."""
+    path = Path(model_dir) / GGUF_SOURCE_FILE
+    if not path.is_file():
+        return None
+    mmproj = json.loads(path.read_text()).get("mmproj_file")
+    return None if mmproj is None else Path(mmproj)
 
 
 def config_from_gguf(gguf: GGUFFile):
@@ -482,7 +523,7 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weight.shape))
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path):
     # The concrete fast class skips AutoTokenizer's config probe, which would
     # parse the whole GGUF again, seconds for a large vocabulary (docs/performance.md).
     from transformers import PreTrainedTokenizerFast

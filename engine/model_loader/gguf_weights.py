@@ -23,6 +23,10 @@ RoPE layout, are read into memory in HF's order (a copy of those two tensors onl
 With `pack=False` (`--quantization none|int8|int4`, CUDA, tensor parallelism, or no C++
 kernels) every tensor is dequantized into the dense parameters instead, as the user
 asked or the platform needs; the caller says so in the log.
+
+A vision-language model (a text GGUF with an `mmproj`: engine.model_loader.gguf_mmproj)
+takes the text tensors into its text part (`model.*`, `lm_head`) exactly so, and its
+vision tower and connector from the mmproj, dequantized.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from engine.model_loader.gguf import (
     unpermute_rotary_rows,
 )
 from engine.model_loader.gguf_file import GGUFFile
+from engine.model_loader.gguf_mmproj import load_mmproj_weights
 from engine.models.gguf_weight import (
     GGUFWeight,
     StackedWeight,
@@ -72,12 +77,17 @@ class GGUFLoadReport:
     repacked_types: Counter = field(default_factory=Counter)  # GGML type -> tensors repacked
     dense_tensors: int = 0
     packed_bytes: int = 0  # bytes the packed linears and tables hold
+    mmproj: Path | None = None  # the vision projector the vision tensors came from
+    vision_tensors: int = 0  # its tensors, dequantized into the vision tower
 
     def formats(self) -> str:
-        """Example: "210 Q4_1 repacked, 1 Q8_0 repacked, 3 Q6_K as they are, 61 dense"."""
+        """Example: "210 Q4_1 repacked, 1 Q8_0 repacked, 3 Q6_K as they are, 61 dense"
+        (and ", 38 vision tensors dense (mmproj-smolvlm.gguf)" with an mmproj)."""
         parts = [f"{n} {t} as they are" for t, n in sorted(self.packed_types.items())]
         parts += [f"{n} {t} repacked" for t, n in sorted(self.repacked_types.items())]
         parts.append(f"{self.dense_tensors} dense tensors")
+        if self.mmproj is not None:
+            parts.append(f"{self.vision_tensors} vision tensors dense ({self.mmproj.name})")
         return ", ".join(parts)
 
     def summary(self) -> str:
@@ -86,9 +96,11 @@ class GGUFLoadReport:
 
 
 def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool,
-                      dtype: torch.dtype | None = None) -> GGUFLoadReport:
+                      dtype: torch.dtype | None = None,
+                      mmproj: str | Path | None = None) -> GGUFLoadReport:
     """Fill every parameter of `model` from the GGUF file (see the module docstring);
-    `dtype`: the model's, for each packed kernel's few-row limit (quant.default_max_rows)."""
+    `dtype`: the model's, for each packed kernel's few-row limit (quant.default_max_rows);
+    `mmproj`: the vision projector that fills a vision-language model's vision parameters."""
     gguf = GGUFFile(gguf_path)
     check_tensors(gguf)
     report = GGUFLoadReport(Path(gguf_path))
@@ -128,9 +140,23 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool,
             model.lm_head.set_packed(embed.packed)
     # Dense fused tensors (Phi-3's, unquantized or with pack=False) go in as their q/k/v and
     # gate/up pieces, so tensor parallelism can cut each piece like any checkpoint's.
-    load_named_weights(model, split_fused_weights(config, dense),
+    load_named_weights(model if mmproj is None else _TextPart(model),
+                       split_fused_weights(config, dense),
                        skip_lm_head=getattr(model, "tie_word_embeddings", False))
+    if mmproj is not None:
+        report.mmproj = Path(mmproj)
+        report.vision_tensors = load_mmproj_weights(model, mmproj)
     return report
+
+
+class _TextPart(nn.Module):
+    """A vision-language model's text decoder and lm_head seen alone (the same modules), so
+    that load_named_weights fills and checks exactly the text GGUF's parameters."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model.model
+        self.lm_head = model.lm_head
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

