@@ -13,11 +13,15 @@ Each image goes through the processor alone, so its tensors are its own (no padd
 the largest image of the prompt); the whole prompt is tokenized at once, as the
 processor would, so tokens at a run's edges merge with the text as they do there. The
 processor runs in the HTTP frontend with transformers' PIL image processors (no torch,
-no torchvision).
+no torchvision). An image already processed is served from a bounded cache keyed by its
+content hash (`ProcessedImageCache`, `--mm-processor-cache-gb` as vLLM spells it): a
+repeated image costs no resize or split.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,9 @@ from engine.multimodal.inputs import ImageFeature, TensorData
 _PLACEHOLDER_ATTRIBUTE = {"gemma3": "boi_token"}
 _BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
 _CROP_LEADING_OUTPUTS = frozenset({"gemma3"})
+
+# vLLM's --mm-processor-cache-gb is 4 GiB; a SmolVLM image of 13 tiles is ~41 MB of float32.
+DEFAULT_CACHE_BYTES = 1 << 30
 
 # Keys of a processor's output that are the text's, not the image's.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
@@ -56,6 +63,59 @@ def _has_vision_tower(model_dir: str | Path) -> bool:
 
 
 @dataclass
+class ProcessedImage:
+    """One image through the processor: its placeholder run's token ids and its tensors."""
+
+    run: np.ndarray
+    tensors: dict[str, TensorData]
+
+    @property
+    def nbytes(self) -> int:
+        return self.run.nbytes + sum(len(t.data) for t in self.tensors.values())
+
+
+class ProcessedImageCache:
+    """Least-recently-used processed images by content hash, at most `capacity_bytes` of
+    tensors in all (0: caches nothing). Thread-safe: requests process in worker threads.
+
+    capacity 100 MB, images of 40 MB: a, b cached (80); c evicts a (the least recently
+    used) -> b, c; a hit on b makes c the next to go.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> ProcessedImage | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
+
+    def put(self, key: str, entry: ProcessedImage) -> None:
+        size = entry.nbytes
+        with self._lock:
+            if size > self.capacity_bytes or key in self._entries:
+                return
+            while self.used_bytes + size > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.used_bytes -= evicted.nbytes
+            self._entries[key] = entry
+            self.used_bytes += size
+
+
+@dataclass
 class ProcessedPrompt:
     token_ids: list[int]
     features: list[ImageFeature]
@@ -65,7 +125,8 @@ class ImagePromptProcessor:
     """The checkpoint's processor, one image at a time (see the module doc)."""
 
     def __init__(self, hf_processor: Any, image_token_id: int, placeholder: str,
-                 bidirectional: bool = False, batched_outputs: bool = True):
+                 bidirectional: bool = False, batched_outputs: bool = True,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.hf_processor = hf_processor
         self.tokenizer = hf_processor.tokenizer
         self.image_token_id = image_token_id
@@ -74,9 +135,11 @@ class ImagePromptProcessor:
         # Its processor's image tensors lead with the prompt batch (SmolVLM: [1, tiles, ...]);
         # others lead with the image's crops (Gemma 3: [crops, 3, H, W]).
         self.batched_outputs = batched_outputs
+        self.cache = ProcessedImageCache(cache_bytes)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, hf_config: Any) -> ImagePromptProcessor | None:
+    def from_pretrained(cls, model_dir: str | Path, hf_config: Any,
+                        cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImagePromptProcessor | None:
         """The processor of a vision-language checkpoint; None for a text-only model (its
         config names no image token) or a directory without processor files."""
         image_token_id = getattr(hf_config, "image_token_id", None)
@@ -95,10 +158,12 @@ class ImagePromptProcessor:
             return None
         return cls(hf_processor, int(image_token_id), str(placeholder),
                    bidirectional=model_type in _BIDIRECTIONAL_IMAGES,
-                   batched_outputs=model_type not in _CROP_LEADING_OUTPUTS)
+                   batched_outputs=model_type not in _CROP_LEADING_OUTPUTS,
+                   cache_bytes=cache_bytes)
 
     @classmethod
-    def for_model(cls, model_dir: str | Path) -> ImagePromptProcessor | None:
+    def for_model(cls, model_dir: str | Path,
+                  cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImagePromptProcessor | None:
         """`from_pretrained` with the checkpoint's own config; None when it is not a local
         vision-language checkpoint (a GGUF file; a multimodal config whose checkpoint
         holds no vision tower: the model then serves text only)."""
@@ -106,7 +171,8 @@ class ImagePromptProcessor:
             return None
         from transformers import AutoConfig
 
-        processor = cls.from_pretrained(model_dir, AutoConfig.from_pretrained(str(model_dir)))
+        processor = cls.from_pretrained(model_dir, AutoConfig.from_pretrained(str(model_dir)),
+                                        cache_bytes)
         if processor is not None and not _has_vision_tower(model_dir):
             return None
         return processor
@@ -121,7 +187,7 @@ class ImagePromptProcessor:
         if len(pieces) - 1 != len(images):
             raise ValueError(f"the prompt has {len(pieces) - 1} image placeholders "
                              f"({self.placeholder!r}) for {len(images)} images")
-        expanded = [self._expand(image.image) for image in images]
+        expanded = [self._expand_cached(image) for image in images]
         # The whole prompt tokenized at once, as the processor itself would: a run's first
         # or last token may merge with the text beside it (Gemma 3's "\n\n").
         text = pieces[0] + "".join(
@@ -150,6 +216,14 @@ class ImagePromptProcessor:
                 is_embed=None if is_embed.all() else is_embed.tolist(), tensors=tensors,
                 bidirectional=self.bidirectional))
         return ProcessedPrompt(token_ids, features)
+
+    def _expand_cached(self, image: ImageLike) -> tuple[np.ndarray, dict[str, TensorData]]:
+        """`_expand`, or the cache's entry for an image of the same pixels."""
+        entry = self.cache.get(image.content_hash)
+        if entry is None:
+            entry = ProcessedImage(*self._expand(image.image))
+            self.cache.put(image.content_hash, entry)
+        return entry.run, entry.tensors
 
     def _expand(self, image: Any) -> tuple[np.ndarray, dict[str, TensorData]]:
         """One image through the processor: its placeholder run's token ids and its

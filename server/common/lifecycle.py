@@ -78,6 +78,14 @@ def images_per_prompt(text: str) -> int:
     return value
 
 
+def gibibytes(text: str) -> int:
+    """--mm-processor-cache-gb: GiB (a float >= 0) as bytes."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0, got {text}")
+    return int(value * (1 << 30))
+
+
 def domain_list(text: str) -> list[str]:
     """--allowed-media-domains: comma-separated host names."""
     return [part.strip().lower() for part in text.split(",") if part.strip()]
@@ -133,6 +141,11 @@ class ServerLimits:
         None, "--allowed-media-domains", "Fetch http(s) image URLs from these hosts only "
         "(and their subdomains); implies --allow-remote-images. Comma-separated.",
         group="limits", type=domain_list, default_factory=list)
+    mm_processor_cache_bytes: int = option(
+        1 << 30, "--mm-processor-cache-gb", "Vision models: GiB of processed images (resized, "
+        "split, as the model's processor leaves them) kept by content hash, so a repeated "
+        "image is not processed again (0: none).", group="limits", type=gibibytes,
+        default_text="1")
 
 
 def record_failure(metrics: Any, reason: str, count: int = 1) -> None:

@@ -396,7 +396,8 @@ class APIServer:
             cross_encoder=is_cross_encoder(self.model_dir),
             lora=self._lora_adapters(options),
             lora_runtime_updating=runtime_updating_allowed(options.allow_runtime_lora_updating),
-            image_processor=ImagePromptProcessor.for_model(self.model_dir),
+            image_processor=ImagePromptProcessor.for_model(
+                self.model_dir, options.limits.mm_processor_cache_bytes),
         )
         app = build_app(self.state, options.allowed_origins)
         if self.shared_core is not None:
