@@ -13,6 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
+from engine.multimodal.inputs import ImageFeature
+from engine.sampling_params import SamplingParams
 from server.chat.images import load_chat_images
 from server.chat.output import ChoiceParser
 from server.chat.reasoning import grammar_after_reasoning
@@ -53,20 +55,26 @@ class ChatRun:
         return ChoiceParser(state.reasoning_parser, self.plan)
 
 
-async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
-                     id_prefix: str = "chatcmpl", prompt_token_ids: list[int] | None = None,
-                     max_context: int | None = None,
-                     api_defaults: Mapping[str, Any] | None = None) -> ChatRun:
-    """Check `body`, render its messages through the chat template, start the generation.
+@dataclass
+class PreparedChat:
+    """A checked chat request rendered to what the engine takes (not yet queued)."""
 
-    Every API that produces one assistant turn goes through here (chat completions, and
-    the Responses, Anthropic and Ollama layers, which translate their requests into a
-    ChatCompletionRequest). `prompt_token_ids`: a prompt to use instead of the rendered
-    messages (Ollama's raw generate). `max_context`: a client-side context limit below
-    the server's (Ollama's num_ctx): the prompt must fit it and the output stops at it.
-    `api_defaults`: the API's own defaults of unset sampling fields (build_sampling_params).
-    Errors are 400 APIErrors naming chat's field names.
-    """
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    mm_features: list[ImageFeature] | None
+    plan: ToolPlan
+    num_top: int  # top logprobs per token (0: none)
+    num_images: int
+    structured_outputs: Any  # the request's grammar (StructuredOutputsParams) or None
+
+
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
+                       prompt_token_ids: list[int] | None = None,
+                       max_context: int | None = None,
+                       api_defaults: Mapping[str, Any] | None = None) -> PreparedChat:
+    """Check `body`, render its messages through the chat template (images expanded),
+    build its SamplingParams: everything `start_chat` queues, and what
+    /v1/chat/completions/render answers. Arguments and errors as `start_chat`'s."""
     check_common(state, body, body.unsupported_field())
     record_user(raw_request, body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -100,7 +108,6 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
             raise bad_request(f"The chat template did not place the images: {exc}",
                               "messages") from None
         prompt_token_ids, mm_features = processed.token_ids, processed.features
-        state.metrics.record_images(len(images))
     elif prompt_token_ids is None:
         _, prompt_token_ids = apply_chat_template(state, body.messages,
                                                   body.add_generation_prompt,
@@ -117,12 +124,34 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_reques
         params.structured_outputs = grammar_after_reasoning(
             state.tokenizer, state.reasoning_parser, structured_outputs, prompt_token_ids)
     check_prompts(state, [prompt_token_ids], params, body, prompt_param="messages")
-    state.metrics.record_structured_output(structured_outputs)
+    return PreparedChat(params, prompt_token_ids, mm_features, plan, num_top, len(mm_features or []),
+                        structured_outputs)
 
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, raw_request: Request,
+                     id_prefix: str = "chatcmpl", prompt_token_ids: list[int] | None = None,
+                     max_context: int | None = None,
+                     api_defaults: Mapping[str, Any] | None = None) -> ChatRun:
+    """Check `body`, render its messages through the chat template, start the generation.
+
+    Every API that produces one assistant turn goes through here (chat completions, and
+    the Responses, Anthropic and Ollama layers, which translate their requests into a
+    ChatCompletionRequest). `prompt_token_ids`: a prompt to use instead of the rendered
+    messages (Ollama's raw generate). `max_context`: a client-side context limit below
+    the server's (Ollama's num_ctx): the prompt must fit it and the output stops at it.
+    `api_defaults`: the API's own defaults of unset sampling fields (build_sampling_params).
+    Errors are 400 APIErrors naming chat's field names.
+    """
+    chat = await prepare_chat(state, body, raw_request, prompt_token_ids, max_context,
+                              api_defaults)
+    if chat.num_images:
+        state.metrics.record_images(chat.num_images)
+    state.metrics.record_structured_output(chat.structured_outputs)
     request_id = new_request_id(id_prefix)
-    active = await state.lifecycle.start([(request_id, prompt_token_ids, None)], params,
-                                         priority=body.priority, cache_salt=body.cache_salt,
+    active = await state.lifecycle.start([(request_id, chat.prompt_token_ids, None)],
+                                         chat.params, priority=body.priority,
+                                         cache_salt=body.cache_salt,
                                          lora_request=state.lora_request(body.model),
-                                         mm_features=mm_features)
-    return ChatRun(request_id, int(time.time()), active, plan, num_top, len(prompt_token_ids),
-                   state.response_model(body.model))
+                                         mm_features=chat.mm_features)
+    return ChatRun(request_id, int(time.time()), active, chat.plan, chat.num_top,
+                   len(chat.prompt_token_ids), state.response_model(body.model))

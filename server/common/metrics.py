@@ -138,6 +138,10 @@ class ServerMetrics:
         self.model_name = model_name
         self.names = names
         self.max_loras = max_loras
+        # The last step's KV-cache usage and the prefix cache's tokens (looked up, found)
+        # since start-up, for the load report (server/http/loads.py).
+        self.kv_cache_usage_now = 0.0
+        self.prefix_cache_tokens = (0, 0)
         self.registry = CollectorRegistry()  # what /metrics renders
         labels = ["model_name"]
         # The registry the metrics join: with several processes their values live in
@@ -338,6 +342,10 @@ class ServerMetrics:
 
     # ---------------------------------------------------------------- engine hooks
     def on_step(self, stats: SchedulerStats) -> None:
+        self.kv_cache_usage_now = stats.kv_cache_usage
+        queried, hit = self.prefix_cache_tokens
+        self.prefix_cache_tokens = (queried + stats.prefix_cache_queries,
+                                    hit + stats.prefix_cache_hits)
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)

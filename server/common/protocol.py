@@ -508,5 +508,35 @@ class DetokenizeResponse(OpenAIResponse):
     prompt: str
 
 
+# ------------------------------------------------------------------ render (vLLM's)
+class PlaceholderRange(OpenAIResponse):
+    offset: int  # the image's first prompt position
+    length: int  # positions in its run
+
+
+class RenderedFeatures(OpenAIResponse):
+    """Where a rendered prompt's images are: content hashes and placeholder runs."""
+
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[PlaceholderRange]]
+
+
+class RenderedRequest(OpenAIResponse):
+    """vLLM's GenerateRequest: what /v1/chat/completions/render and /v1/completions/render
+    answer (the prompt's token ids, its images, and the sampling parameters the request
+    would run with), for routers and tools that tokenize through the server."""
+
+    request_id: str
+    token_ids: list[int]
+    features: RenderedFeatures | None = None
+    sampling_params: dict[str, Any]
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
 class VersionResponse(OpenAIResponse):
     version: str

@@ -39,6 +39,7 @@ class ServerState:
     model_root: str  # the local model directory
     metrics: ServerMetrics
     api_key: str | None = None
+    max_running_requests: int = 0  # --max-num-seqs (the load report's)
     scheduling_policy: str = "fcfs"  # "priority": requests' `priority` field orders them
     # Extra end-of-sequence ids (e.g. from generation_config) added to every request.
     extra_stop_token_ids: list[int] = field(default_factory=list)

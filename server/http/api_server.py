@@ -112,7 +112,8 @@ class ServeOptions:
     api_key: str | None = option(
         None, "--api-key", "Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>', "
         "Anthropic's header) on the inference routes (/v1/*, /api/* but /api/version, "
-        "/tokenize, /detokenize) and on /xray; /health, /metrics and /version stay open.",
+        "/tokenize, /detokenize, /get_load) and on /xray; /health, /metrics and /version stay "
+        "open.",
         group="server")
     allowed_origins: list[str] = option(
         None, "--allowed-origins", "CORS origins allowed to call the API: a JSON list or a "
@@ -380,6 +381,7 @@ class APIServer:
             engine=engine, tokenizer=resources.tokenizer,
             served_model_names=self.served_model_names, model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
             scheduling_policy=self.engine_config.scheduler_config.policy,
+            max_running_requests=self.engine_config.scheduler_config.max_num_seqs,
             extra_stop_token_ids=resources.extra_stop_token_ids,
             sampling_defaults=sampling_defaults, limits=options.limits,
             chat_template_source=resources.chat_template_source,

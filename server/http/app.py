@@ -37,6 +37,7 @@ from server.common.state import ServerState
 from server.common.version import package_version
 from server.http.access_log import AccessLogMiddleware
 from server.http.body_limit import RequestSizeLimit
+from server.http.loads import install_load_routes
 from server.http.xray import install_xray_routes
 
 
@@ -109,6 +110,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
     anthropic_routes.install_routes(app, state, auth)
     ollama_routes.install_routes(app, state, auth, package_version())
     embedding_routes.install_routes(app, state, auth)
+    install_load_routes(app, state, auth)
     if state.lora is not None and state.lora_runtime_updating:
         from server.apis.openai.lora_routes import install_lora_routes
 

@@ -85,12 +85,20 @@ def router(replicas):
 
 
 def served_requests(replica) -> int:
-    return sum(1 for line in replica.lines if '"POST /v1/' in line and '" 200 ' in line)
+    """Generations the replica answered (its access log), renders aside."""
+    return sum(1 for line in replica.lines if '"POST /v1/' in line and '" 200 ' in line
+               and "/render " not in line)
+
+
+def rendered_chats(replica) -> int:
+    return sum(1 for line in replica.lines
+               if '"POST /v1/chat/completions/render ' in line and '" 200 ' in line)
 
 
 @needs_router
 def test_chat_and_completions_through_vllm_router(router, replicas):
     before = [served_requests(r) for r in replicas]
+    renders_before = sum(rendered_chats(r) for r in replicas)
     for i in range(4):
         chat = httpx.post(router + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "messages": [{"role": "user", "content": f"hello {i}"}],
@@ -111,6 +119,8 @@ def test_chat_and_completions_through_vllm_router(router, replicas):
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert served == 9  # every request reached a replica once
+    # cache_aware tokenized the chats through vLLM's render endpoint (not /tokenize).
+    assert sum(rendered_chats(r) for r in replicas) - renders_before >= 5
 
 
 @needs_router

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 
 from engine.request_output import CompletionOutput, RequestOutput, SampleLogprob
+from engine.sampling_params import SamplingParams
 from server.apis.openai.streaming import StreamChunkWriter, sse_body, usage_chunk_for
 from server.chat.sampling import (
     build_sampling_params,
@@ -93,18 +94,26 @@ class _LogprobFormatter:
         return result, offset
 
 
-async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request):
+async def prepare_completion(state: ServerState, body: CompletionRequest, raw_request: Request
+                             ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams]:
+    """Check `body`: its prompts ((text or None, token ids) each) and SamplingParams, what
+    `create_completion` queues and /v1/completions/render answers. Errors: 400 APIErrors."""
     check_common(state, body, body.unsupported_field())
     record_user(raw_request, body)
     prompts = _prompts(state, body.prompt)
-    want_logprobs = body.logprobs is not None
     structured_outputs = await structured_outputs_of(body, state.engine)
     params = build_sampling_params(
         state, body, logprobs=body.logprobs,
-        prompt_logprobs=body.logprobs if (body.echo and want_logprobs) else None,
+        prompt_logprobs=body.logprobs if (body.echo and body.logprobs is not None) else None,
         structured_outputs=structured_outputs)
     check_prompts(state, [ids for _, ids in prompts], params, body)
-    state.metrics.record_structured_output(structured_outputs, len(prompts))
+    return prompts, params
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, raw_request: Request):
+    prompts, params = await prepare_completion(state, body, raw_request)
+    state.metrics.record_structured_output(params.structured_outputs, len(prompts))
+    want_logprobs = body.logprobs is not None
 
     request_id = new_request_id("cmpl")
     created = int(time.time())

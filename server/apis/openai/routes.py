@@ -1,5 +1,5 @@
-"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize and
-/detokenize (the Responses API is server/apis/responses/)."""
+"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions, their /render
+(render.py), /tokenize and /detokenize (the Responses API is server/apis/responses/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from server.apis.contract import answer, serve_turn
 from server.apis.openai.chat import ChatCompletionsTranslator
 from server.apis.openai.completions import create_completion
+from server.apis.openai.render import install_render_routes
 from server.chat.sampling import check_model
 from server.chat.template import apply_chat_template
 from server.common.errors import ERROR_RESPONSES, APIError
@@ -82,6 +83,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request):
         return await answer(raw_request, serve_turn(
             state, ChatCompletionsTranslator(state, body), raw_request))
+
+    install_render_routes(app, state, auth)
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth,
               responses=ERROR_RESPONSES)
