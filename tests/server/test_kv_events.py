@@ -9,62 +9,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import zmq
 
+from tests.support.kv_event_wire import DECODER, AllBlocksCleared, BlockStored, replay_from
 from tests.support.model_fixtures import build_tiny_checkpoint
 from tests.support.server_fixtures import ServerThread, free_port
 
 BLOCK_SIZE = 16
 
 
-# The subscriber's own types, as vLLM (>= 0.28, distributed/kv_events.py) declares them
-# (not pagedserve's classes): the batch an array, each event a map tagged "type".
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 @pytest.fixture(scope="module")
@@ -119,19 +75,8 @@ def test_prompts_blocks_are_published_and_replayed(server):
         assert first.medium == "GPU" and first.group_idx == 0 and first.lora_name is None
 
         # Replay from the start: message 0 is the start-up AllBlocksCleared.
-        replay = context.socket(zmq.DEALER)
-        replay.connect(server.endpoints["replay_endpoint"])
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert replay.poll(5000), "the replay did not end"
-            frames = replay.recv_multipart()
-            seq_bytes, payload = frames[-2], frames[-1]
-            if not payload:
-                assert int.from_bytes(seq_bytes, "big", signed=True) == -1
-                break
-            replayed.append((int.from_bytes(seq_bytes, "big"), DECODER.decode(payload)))
-            assert replayed[-1][1].data_parallel_rank == 0
+        replayed = replay_from(context, server.endpoints["replay_endpoint"], 0)
+        assert all(batch.data_parallel_rank == 0 for _, batch in replayed)
         assert [seq for seq, _ in replayed] == list(range(len(replayed)))
         assert replayed[0][1].events == [AllBlocksCleared()]
         replayed_hashes = [h for _, batch in replayed for e in batch.events
