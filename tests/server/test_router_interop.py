@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
-import subprocess
-import sysconfig
 import time
 
 import httpx
 import pytest
 
 from tests.support.model_fixtures import build_tiny_checkpoint
+from tests.support.router_fixtures import needs_router, running_router
 from tests.support.server_fixtures import ServerProcess, free_port, serving
-
-# The binary the [test] extra installs beside this interpreter (PATH may not hold it).
-ROUTER = shutil.which("vllm-router", path=sysconfig.get_path("scripts")) or shutil.which(
-    "vllm-router")
-needs_router = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -55,27 +48,6 @@ def replicas(model_dir):
         yield started
 
 
-@contextlib.contextmanager
-def running_router(replicas, policy: str, *extra: str):
-    port = free_port()
-    proc = subprocess.Popen(
-        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-         "--prometheus-port", str(free_port()), "--worker-urls",
-         *[r.url for r in replicas], "--log-level", "warning", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180  # it waits for both replicas to be healthy
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "router did not start"
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -62,13 +62,14 @@ OTHER_API_OPERATIONS = [
     "DELETE /v1/responses/{response_id}", "POST /v1/messages",
     "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate",
     "POST /api/show", "POST /api/embed", "POST /api/embeddings", "POST /v1/score",
-    "POST /v1/rerank"]
+    "POST /v1/rerank", "POST /v1/chat/completions/render", "POST /v1/completions/render"]
 # Operations without inputs: nothing to fuzz (tests/server/test_ollama_api.py calls them).
-NO_INPUT_OPERATIONS = ["GET /api/tags", "GET /api/ps", "GET /api/version"]
+NO_INPUT_OPERATIONS = ["GET /api/tags", "GET /api/ps", "GET /api/version", "GET /v1/loads"]
 NUM_OTHER_EXAMPLES = 25
 GENERATING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
               "POST /detokenize", "POST /v1/responses", "POST /v1/messages",
-              "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate"}
+              "POST /v1/messages/count_tokens", "POST /api/chat", "POST /api/generate",
+              "POST /v1/chat/completions/render", "POST /v1/completions/render"}
 # Operations whose `model` is required: a valid case names the served model.
 MODEL_REQUIRED = {"POST /v1/messages", "POST /v1/messages/count_tokens", "POST /api/chat",
                   "POST /api/generate", "POST /api/show", "POST /api/embed",
