@@ -270,16 +270,20 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t out_stride) {
   constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
     const uint8_t* bytes = group_bytes<kInt8, kQ6k>(block, g, q6k_group);
     for (int seg = 0; seg < kSeg; ++seg) {
       __m512i dot[R];
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      #pragma GCC unroll 8
       for (int t = seg * 8 / kSeg; t < (seg + 1) * 8 / kSeg; ++t) {
         __m512i w01, w23;
         quad_weights<kInt8>(bytes, t, w01, w23);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* pairs = reinterpret_cast<const int32_t*>(
               a.values.data() + (m0 + r) * cols + g * kGroup + 4 * t);
@@ -287,6 +291,7 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
         }
       }
       const __m512 scale = scales.lanes16(g, seg);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * groups + g;
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
@@ -295,10 +300,12 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
     }
     if (!kInt8) {
       const __m512 lowest = mins.lanes16(g);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * out_stride, acc[r]);
 }
 #elif defined(__AVX2__) && defined(__F16C__)
@@ -466,6 +473,7 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t out_stride) {
   constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
 #if defined(PAGEDSERVE_X8_INT8)
   alignas(64) int16_t interleave[32];
@@ -484,35 +492,46 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
     for (int seg = 0; seg < kSeg; ++seg) {  // quads t0 .. t1 - 1 share a scale
       const int t0 = seg * 8 / kSeg, t1 = (seg + 1) * 8 / kSeg;
       __m512i dot[R];
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #if defined(PAGEDSERVE_X8_INT8)
       if (kInt8) {
         __m512i wsum = _mm512_setzero_si512();
+        #pragma GCC unroll 8
         for (int t = t0; t < t1; ++t) {
           const __m512i w = int8_quad_s8(bytes, t, words_to_lanes);
           wsum = dpbusd(wsum, ones_u8, w);
+          #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], x4(r, t), w);
         }
         const __m512i offset = _mm512_slli_epi32(wsum, 7);  // 128 sum q
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(dot[r], offset);
       } else {
+        #pragma GCC unroll 8
         for (int t = t0; t < t1; ++t) {
           const __m512i w = int4_quad_u8(bytes, t);
+          #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], w, x4(r, t));
         }
       }
 #else
       static_assert(!kInt8, "int8 weights take the int16 code without VNNI");
       __m512i pairs[R];
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) pairs[r] = _mm512_setzero_si512();
+      #pragma GCC unroll 8
       for (int t = t0; t < t1; ++t) {
         const __m512i w = int4_quad_u8(bytes, t);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           pairs[r] = _mm512_add_epi16(pairs[r], _mm512_maddubs_epi16(w, x4(r, t)));
       }
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) dot[r] = _mm512_madd_epi16(pairs[r], _mm512_set1_epi16(1));
 #endif
       const __m512 scale = scales.lanes16(g, seg);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * groups + g;
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
@@ -521,10 +540,12 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
     }
     if (!kInt8) {
       const __m512 lowest = mins.lanes16(g);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(lowest, _mm512_set1_ps(a.sums[(m0 + r) * groups + g]), acc[r]);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (m0 + r) * out_stride, acc[r]);
 }
 #elif defined(__AVX2__) && defined(__F16C__)
