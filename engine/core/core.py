@@ -106,9 +106,16 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one engine step. A failing model step fails only its own requests."""
         outputs = self._step()
+        self._publish_kv_events()  # what applying the step changed (blocks cached, evicted)
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Send the block pool's prefix-cache changes since the last call. Called right after
+        each schedule() too, as vLLM's scheduler does: blocks are cached when allocated, so a
+        router learns of a prompt's blocks before its prefill runs (a long prefill on a CPU
+        runs for seconds), and sends that prompt's followers here meanwhile."""
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
-        return outputs
 
     def _step(self) -> EngineCoreOutputs:
         if self._worker is None:
@@ -129,6 +136,7 @@ class EngineCore:
         """Schedule, run and apply one step (`execute_model` runs it and returns)."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self._publish_kv_events()
         self.xray.note_scheduled(scheduler_output)
         if scheduler_output.is_empty:
             if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
@@ -160,6 +168,7 @@ class EngineCore:
         returns no outputs, so that the next call can schedule behind it."""
         scheduled_at = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self._publish_kv_events()
         self.xray.note_scheduled(scheduler_output)
         started_pipeline = False
         if not scheduler_output.is_empty:
@@ -212,8 +221,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         done = self.scheduler.reset_prefix_cache()
-        if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
+        self._publish_kv_events()
         return done
 
     def xray_snapshot(self, limits: XrayLimits) -> XraySnapshot:
