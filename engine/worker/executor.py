@@ -124,6 +124,9 @@ class Worker:
         sched = config.scheduler_config
         kv_cache_dtype = kv_cache_init.resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype,
                                                               dtype, device)
+        if kv_cache_dtype == torch.int8 and self.backend.name != "torch":
+            raise ValueError(f"--kv-cache-dtype int8 needs the torch attention backend (the "
+                             f"CPU's), not {self.backend.name}")
         draft_model = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":

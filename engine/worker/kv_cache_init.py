@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.kv_int8 import row_elements
 from engine.attention.layer import Attention
 from engine.config import KV_CACHE_DTYPES, CacheConfig
 from engine.kv_cache.groups import KVCacheGroupSpec, group_size_of, layer_slots
@@ -44,7 +45,8 @@ class KVCacheSpec:
     def block_bytes(self) -> int:
         """Bytes one block takes in one layer (K and V)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        row = row_elements(self.head_size, self.dtype)  # int8: + the row's scale
+        return 2 * self.block_size * self.num_kv_heads * row * itemsize
 
 
 def get_kv_cache_specs(
@@ -56,8 +58,9 @@ def get_kv_cache_specs(
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
     """The KV cache's element type: `auto` is the model's dtype. A different one is a CPU
-    feature (the attention there widens the cache to the query's dtype as it reads it);
-    the CUDA kernels take the model's dtype only."""
+    feature (the attention there widens the cache to the query's dtype as it reads it;
+    int8: rows with a scale each, engine/attention/kv_int8.py); the CUDA kernels take the
+    model's dtype only."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     dtype = model_dtype if name == "auto" else getattr(torch, name)
@@ -146,7 +149,7 @@ def allocate_kv_caches(
     """
     def allocate(spec: KVCacheSpec) -> torch.Tensor:
         shape = shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
-                         spec.num_kv_heads, spec.head_size)
+                         spec.num_kv_heads, row_elements(spec.head_size, spec.dtype))
         if device.type == "cpu":
             return zero_pages(shape, spec.dtype)
         return torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -232,17 +232,58 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+namespace {
+
+// fn(src, kv, h, slot) for each (token, K|V, head) row to write: src points at the row of
+// `key` (kv 0) or `value` (kv 1), head h, of a token whose slot is >= 0; tokens split
+// over the threads.
+template <typename in_t, typename Fn>
+void for_each_row(const at::Tensor& key, const at::Tensor& value, int64_t heads, int64_t dim,
+                  const int64_t* slots, int64_t tokens, const Fn& fn) {
+  const in_t* sources[2] = {key.data_ptr<in_t>(), value.data_ptr<in_t>()};
+  const int64_t token_strides[2] = {key.stride(0), value.stride(0)};
+  const int64_t head_strides[2] = {key.stride(1), value.stride(1)};
+  pagedserve::parallel_for(0, tokens, grain_rows(2 * heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      for (int kv = 0; kv < 2; ++kv)
+        for (int64_t h = 0; h < heads; ++h)
+          fn(sources[kv] + t * token_strides[kv] + h * head_strides[kv], kv, h, slots[t]);
+    }
+  });
+}
+
+// One row of the int8 cache (engine/attention/kv_int8.py, quantize_rows): scale =
+// max |x| / 127 and q = round_half_even(x / scale) (x / 1 for a row of zeros), the same
+// float32 operations as the torch reference, so the same bytes; then the scale's 4 bytes.
+template <typename in_t>
+inline void quantize_row(const in_t* src, int64_t dim, int8_t* dst) {
+  float max_abs = 0.f;
+  for (int64_t d = 0; d < dim; ++d) max_abs = std::max(max_abs, std::fabs(static_cast<float>(src[d])));
+  const float scale = max_abs / 127.f;
+  const float divisor = scale > 0.f ? scale : 1.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float q = std::nearbyint(static_cast<float>(src[d]) / divisor);
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memcpy(dst + dim, &scale, sizeof scale);
+}
+
+}  // namespace
+
 // kv_cache[0 | 1, h, slot / block_size, slot % block_size, :] = key | value [t, h, :]
 // for every token t whose slot_mapping[t] >= 0 (-1 marks padding), cast to the cache
-// dtype. key, value [T, Hkv, D] (any token and head strides); kv_cache
-// [2, Hkv, num_blocks, block_size, D] contiguous; slot_mapping int64 [T].
+// dtype (an int8 cache: each row quantized, quantize_row). key, value [T, Hkv, D] (any token and
+// head strides); kv_cache [2, Hkv, num_blocks, block_size, D] contiguous (int8: D + 4);
+// slot_mapping int64 [T].
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                     at::Tensor slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.device().is_cpu(),
-              "write_kv_cache: kv_cache must be a contiguous CPU [2, Hkv, blocks, block_size, D]");
+              "write_kv_cache: kv_cache must be a contiguous CPU [2, Hkv, blocks, block_size, D] (int8: D + 4)");
   const int64_t heads = kv_cache.size(1), num_slots = kv_cache.size(2) * kv_cache.size(3);
-  const int64_t dim = kv_cache.size(4);
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;  // rows of dim + 4 bytes
+  const int64_t row = kv_cache.size(4), dim = int8_cache ? row - 4 : row;
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == heads &&
                   key.size(2) == dim && key.stride(2) == 1 && value.stride(2) == 1 &&
                   key.scalar_type() == value.scalar_type(),
@@ -257,23 +298,22 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                 " outside the cache's ", num_slots, " slots");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "kv_in", [&] {
     using in_t = scalar_t;
+    if (int8_cache) {
+      int8_t* cache = kv_cache.data_ptr<int8_t>();
+      for_each_row<in_t>(key, value, heads, dim, slots, tokens,
+                         [&](const in_t* src, int kv, int64_t h, int64_t slot) {
+        quantize_row(src, dim, cache + ((kv * heads + h) * num_slots + slot) * row);
+      });
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "kv_out",
                                     [&] {
       using out_t = scalar_t;
       out_t* cache = kv_cache.data_ptr<out_t>();
-      const in_t* sources[2] = {key.data_ptr<in_t>(), value.data_ptr<in_t>()};
-      const int64_t token_strides[2] = {key.stride(0), value.stride(0)};
-      const int64_t head_strides[2] = {key.stride(1), value.stride(1)};
-      pagedserve::parallel_for(0, tokens, grain_rows(2 * heads * dim), [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          if (slots[t] < 0) continue;
-          for (int kv = 0; kv < 2; ++kv)
-            for (int64_t h = 0; h < heads; ++h) {
-              const in_t* src = sources[kv] + t * token_strides[kv] + h * head_strides[kv];
-              out_t* dst = cache + ((kv * heads + h) * num_slots + slots[t]) * dim;
-              for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<out_t>(src[d]);
-            }
-        }
+      for_each_row<in_t>(key, value, heads, dim, slots, tokens,
+                         [&](const in_t* src, int kv, int64_t h, int64_t slot) {
+        out_t* dst = cache + ((kv * heads + h) * num_slots + slot) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<out_t>(src[d]);
       });
     });
   });

@@ -29,8 +29,10 @@
 // in the same order whatever the other rows of its run, so the kernel is batch
 // invariant: a row's result is the same to the bit alone, in a run or in any batch.
 // Query and output are float32; the cache may be float32, bfloat16 or float16 (widened
-// to float32 as it is read). Head sizes 16/32/64/80/96/128/256; the torch path serves
-// the rest.
+// to float32 as it is read), or int8 (engine/attention/kv_int8.py: each token's row of a
+// head is head_size int8 values and their float32 scale, head_size + 4 bytes; keys are
+// widened and scaled into float32 as they are read, a value row's scale multiplies its
+// weight). Head sizes 16/32/64/80/96/128/256; the torch path serves the rest.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -99,6 +101,19 @@ inline vec8 sums8(const vec8 v[8]) {
   for (int i = 0; i < 8; ++i) out[i] = sum8(v[i]);
   return out;
 #endif
+}
+
+// Elements of one (token, head) row of the cache: head_size, plus an int8 row's scale.
+template <typename T>
+constexpr int64_t row_elements(int64_t head_size) {
+  return std::is_same<T, int8_t>::value ? head_size + 4 : head_size;
+}
+
+// The float32 scale stored after an int8 row's head_size values.
+inline float row_scale(const int8_t* row, int64_t head_size) {
+  float scale;
+  std::memcpy(&scale, row + head_size, sizeof scale);
+  return scale;
 }
 
 template <typename T>  // the cache's element type
@@ -176,12 +191,15 @@ constexpr int64_t kValueTileVectors = 2;
 template <typename T, int kHeadSize, int M, int J>
 inline void weigh_values(const T* v_block, int64_t count, const float* const* weights,
                          int64_t j0, vec8 (&acc)[M][J]) {
+  constexpr int64_t kRow = row_elements<T>(kHeadSize);
   for (int64_t t = 0; t < count; ++t) {
-    const T* v = v_block + t * kHeadSize + 8 * j0;
+    const T* v = v_block + t * kRow + 8 * j0;
     vec8 vv[J];
     for (int j = 0; j < J; ++j) vv[j] = load8(v + 8 * j);
+    float row_weight = 1.f;  // an int8 row's scale, folded into each weight
+    if constexpr (std::is_same<T, int8_t>::value) row_weight = row_scale(v_block + t * kRow, kHeadSize);
     for (int m = 0; m < M; ++m) {
-      const float w = weights[m][t];
+      const float w = weights[m][t] * row_weight;
       for (int j = 0; j < J; ++j) acc[m][j] += w * vv[j];
     }
   }
@@ -193,15 +211,16 @@ template <typename T, int kHeadSize, int M, int J>
 void weigh_all(const Problem<T>& pb, const int32_t* table, int64_t head_base, int64_t first,
                int64_t end, int64_t run_first, float* const* weights_of_m, int64_t j0,
                float* const* outs, const float* inv_sums) {
-  const int64_t block_size = pb.block_size, block_floats = block_size * kHeadSize;
+  constexpr int64_t kRow = row_elements<T>(kHeadSize);
+  const int64_t block_size = pb.block_size, block_elems = block_size * kRow;
   vec8 acc[M][J] = {};
   const float* weights[M];
   for (int64_t i = first / block_size; i < (end + block_size - 1) / block_size; ++i) {
-    const T* block_start = pb.v_cache + (head_base + table[i]) * block_floats;
+    const T* block_start = pb.v_cache + (head_base + table[i]) * block_elems;
     const int64_t lo = std::max(i * block_size, first);
     const int64_t count = std::min((i + 1) * block_size, end) - lo;
     for (int m = 0; m < M; ++m) weights[m] = weights_of_m[m] + (lo - run_first);
-    weigh_values<T, kHeadSize, M, J>(block_start + (lo - i * block_size) * kHeadSize, count,
+    weigh_values<T, kHeadSize, M, J>(block_start + (lo - i * block_size) * kRow, count,
                                      weights, j0, acc);
   }
   for (int m = 0; m < M; ++m)
@@ -228,7 +247,8 @@ void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& 
     first = std::min(first, pb.first_key(run.row0 + r));
     end = std::max(end, static_cast<int64_t>(pb.lens[run.row0 + r]));
   }
-  const int64_t block_floats = block_size * kHeadSize;
+  constexpr int64_t kRow = row_elements<T>(kHeadSize);
+  const int64_t block_floats = block_size * kHeadSize, block_elems = block_size * kRow;
   const int32_t* table = pb.tables + pb.table_row(run.row0) * pb.table_stride;
   const int64_t head_base = kv_head * pb.num_blocks;
   // Room for a row's last chunk of eight weights past `end` (see the softmax).
@@ -252,15 +272,26 @@ void attend_run(const Problem<T>& pb, const Run& run, int64_t kv_head, Scratch& 
   // for an odd one out), single keys at the block's end.
   if (!std::is_same<T, float>::value) scratch.block.resize(block_floats);
   for (int64_t i = first / block_size; i < (end + block_size - 1) / block_size; ++i) {
-    const T* block_start = pb.k_cache + (head_base + table[i]) * block_floats;
+    const T* block_start = pb.k_cache + (head_base + table[i]) * block_elems;
     if ((i + 1) * block_size < end) {
-      prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_floats, block_floats);
+      prefetch_block(pb.k_cache + (head_base + table[i + 1]) * block_elems, block_elems);
     }
     const int64_t lo = std::max(i * block_size, first);
     const int64_t count = std::min((i + 1) * block_size, end) - lo;
     const float* keys;
     if constexpr (std::is_same<T, float>::value) {
       keys = block_start + (lo - i * block_size) * kHeadSize;
+    } else if constexpr (std::is_same<T, int8_t>::value) {
+      // Each key row widened and times its scale, once for all M query vectors.
+      for (int64_t t = 0; t < count; ++t) {
+        const int8_t* k = block_start + (lo - i * block_size + t) * kRow;
+        const vec8 scale = broadcast8(row_scale(k, kHeadSize));
+        for (int64_t x = 0; x < kHeadSize; x += 8) {
+          const vec8 wide = load8(k + x) * scale;
+          std::memcpy(scratch.block.data() + t * kHeadSize + x, &wide, sizeof wide);
+        }
+      }
+      keys = scratch.block.data();
     } else {  // widen the block's keys once for all M query vectors (exact)
       const T* k = block_start + (lo - i * block_size) * kHeadSize;
       for (int64_t x = 0; x < count * kHeadSize; x += 8) {
@@ -412,7 +443,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
   pb.q_all = query.data_ptr<float>();
   pb.out_all = out.data_ptr<float>();
   pb.k_cache = kv_cache.data_ptr<T>();
-  pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * head_size;
+  pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * kv_cache.size(4);
   pb.tables = block_table.data_ptr<int32_t>();
   pb.row_tables = row_tables.numel() ? row_tables.data_ptr<int32_t>() : nullptr;
   pb.lens = seq_lens.data_ptr<int32_t>();
@@ -457,8 +488,9 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                   block_table.stride(1) == 1, "block_table must be int32 [R, max_blocks]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.size(0) == query.size(0), "seq_lens must be contiguous int32 [B]");
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
-              "query and kv_cache heads do not match");
+  const int64_t row = kv_cache.size(4) - (kv_cache.scalar_type() == at::kChar ? 4 : 0);
+  TORCH_CHECK(row == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
+              "query and kv_cache heads do not match (an int8 cache's rows hold head_size + 4)");
   if (row_tables.numel()) {
     TORCH_CHECK(row_tables.scalar_type() == at::kInt && row_tables.is_contiguous() &&
                     row_tables.size(0) == query.size(0),
@@ -477,6 +509,9 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
     case at::kHalf:
       run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
-    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 cache");
+    case at::kChar:
+      run<int8_t>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
+      break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16, float16 or int8 cache");
   }
 }

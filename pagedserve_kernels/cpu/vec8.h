@@ -57,6 +57,18 @@ inline vec8 load8(const c10::Half* p) {
 #endif
 }
 
+// 8 int8 values widened to float32 (exact): the int8 KV cache's rows (engine/attention/kv_int8.py).
+inline vec8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+#else
+  vec8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
 // n floats -> bfloat16, round to nearest even (as c10::BFloat16(float) does; NaN aside).
 inline void store_floats(const float* x, c10::BFloat16* y, int64_t n) {
   int64_t i = 0;

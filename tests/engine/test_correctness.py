@@ -100,11 +100,11 @@ def test_all_three_at_once(arch_case):
     assert_all_three_match(llm, shared, shared_ref)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16", "int8"])
 @LLAMA_ONLY
 def test_half_precision_kv_cache_matches(arch_case, kv_cache_dtype):
-    """A float32 model over a float16 / bfloat16 KV cache (--kv-cache-dtype, CPU): the cache
-    really holds that dtype, the decode kernel and the SDPA prefill read it, and greedy
+    """A float32 model over a float16 / bfloat16 / int8 KV cache (--kv-cache-dtype, CPU): the
+    cache really holds that dtype, the decode kernel and the SDPA prefill read it, and greedy
     tokens match transformers under prefix hits, chunked prefill and preemption (near-tie
     rule: rounding keys and values may flip a near-tie)."""
     model_dir, _, _, shared, shared_ref = arch_case
@@ -122,6 +122,9 @@ def test_kv_cache_dtype_choices():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
     assert resolve_kv_cache_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, cpu) == torch.int8
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_cache_dtype("int8", torch.bfloat16, cuda)
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("float16", torch.bfloat16, cuda)

@@ -267,7 +267,7 @@ def test_cpu_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="float32 query"):
         kernel(out.half(), batch.query.half(), head_major.half(), batch.block_table,
                NO_ROW_TABLES, batch.seq_lens, 1.0)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16 cache"):
+    with pytest.raises(RuntimeError, match="float16 or int8 cache"):
         kernel(out, batch.query, head_major.double(), batch.block_table, NO_ROW_TABLES,
                batch.seq_lens, 1.0)
     bad_rows = torch.tensor([1], dtype=torch.int32)  # the table has one row only

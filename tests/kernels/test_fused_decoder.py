@@ -49,6 +49,8 @@ def generate(model_dir, monkeypatch, fused: bool, **engine_kwargs):
 @pytest.mark.parametrize(("arch", "engine_kwargs"), [
     ("llama", {}),
     ("llama", {"quantization": "int4", "kv_cache_dtype": "bfloat16"}),
+    ("llama", {"kv_cache_dtype": "int8"}),
+    ("qwen3", {"dtype": "bfloat16", "kv_cache_dtype": "int8"}),
     ("qwen2", {"quantization": "int8"}),  # qkv bias
     ("llama", {"dtype": "bfloat16", "quantization": "int4"}),  # widened around the kernels
     ("qwen2", {"dtype": "bfloat16"}),

@@ -27,7 +27,9 @@ class AttentionBackend(ABC):
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """The shape of one layer's cache tensor (element count is the same for all)."""
+        """The shape of one layer's cache tensor (element count is the same for all).
+        `head_size` is the elements of one (token, head) row: an int8 cache's include its
+        scale (engine.attention.kv_int8.row_elements)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @abstractmethod

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import batch_invariant
+from engine.attention import kv_int8
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
@@ -59,12 +60,15 @@ def write_to_kv_cache_torch(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     all_slots_valid: bool,
 ) -> None:
-    """`write_to_kv_cache` in torch ops: the reference, and the path off the CPU."""
-    _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
-    flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, head_size)
+    """`write_to_kv_cache` in torch ops: the reference, and the path off the CPU. An int8
+    cache takes each row quantized (engine/attention/kv_int8.py)."""
+    _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
+    flat = kv_cache.view(2, num_kv_heads, num_blocks * block_size, row)
     if not all_slots_valid:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if kv_cache.dtype == torch.int8:
+        key, value = kv_int8.quantize_rows(key), kv_int8.quantize_rows(value)
     flat[0].index_copy_(1, slot_mapping, key.transpose(0, 1).to(kv_cache.dtype))
     flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1).to(kv_cache.dtype))
 
@@ -87,6 +91,7 @@ def gather_context(
 
     With `scratch`, the copies land in reused buffers: a fresh multi-MB tensor per
     layer and step costs the kernel page faults that take longer than the copy itself.
+    An int8 cache's K and V come back dequantized to float32 (new tensors).
     """
     num_reqs = block_ids.shape[0]
     _, num_kv_heads, num_blocks, block_size, head_size = kv_cache.shape
@@ -102,6 +107,8 @@ def gather_context(
         gathered = torch.index_select(tiles, 0, tile_ids, out=out)
     per_request = (2, num_kv_heads, num_reqs, num_blocks_needed * block_size, head_size)
     kv = gathered.view(per_request).transpose(1, 2)[:, :, :, :seq_len_max]
+    if kv_cache.dtype == torch.int8:  # head_size above is the row: values + scale
+        kv = kv_int8.dequantize_rows(kv)
     return kv[0], kv[1]
 
 
@@ -121,8 +128,10 @@ class ScratchBuffers:
         return buffer[:numel].view(shape)
 
 
-# The cache dtypes (and query dtypes) the C++ decode kernel reads in place.
+# The query (and model) dtypes the C++ decode kernel takes, and the cache dtypes it reads
+# in place.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_CACHE_DTYPES = (*KERNEL_DTYPES, torch.int8)
 
 # Decodes are batched in groups of requests of similar length, so one long context
 # does not make every request in the batch pad (and copy) up to its length.
@@ -220,7 +229,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Whether the in-place C++ kernel takes queries of this dtype and head size
         over this cache."""
         return (self.kernel is not None and kv_cache.device.type == "cpu"
-                and query_dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_DTYPES
+                and query_dtype in KERNEL_DTYPES and kv_cache.dtype in KERNEL_CACHE_DTYPES
                 and kv_cache.is_contiguous() and head_size in KERNEL_HEAD_SIZES)
 
     def kernel_rows(self, metadata: AttentionMetadata) -> KernelRows:
