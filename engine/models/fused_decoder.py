@@ -57,7 +57,8 @@ class FusedDecoderStack:
         self._kv_caches = [layer.self_attn.attn.kv_cache for layer in layers]
         self._head_size = layers[0].self_attn.head_size
         self._dtype = layers[0].input_layernorm.weight.dtype
-        self._quantized = quantized  # (kernel name, max_rows) of every packed weight
+        # (kernel name, max_rows) -> how many packed weights have it: what KERNEL_CALLS counts
+        self._quantized = Counter(quantized)
 
     @classmethod
     def build(cls, layers: nn.ModuleList) -> FusedDecoderStack | None:
@@ -154,8 +155,8 @@ class FusedDecoderStack:
                     self._stack.set_lora(lora_id, layer_index, linear_index, weights)
 
     def _count_kernel_calls(self, num_rows: int) -> None:
-        for kernel, max_rows in self._quantized:
-            KERNEL_CALLS[kernel if num_rows <= max_rows else "tiled"] += 1
+        for (kernel, max_rows), count in self._quantized.items():
+            KERNEL_CALLS[kernel if num_rows <= max_rows else "tiled"] += count
 
 
 def _suits(layer: nn.Module, dtype: torch.dtype) -> bool:
