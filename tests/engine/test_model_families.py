@@ -6,6 +6,7 @@ and preemption at once (`assert_all_three_match`), near-tie rule as everywhere.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM
 from tests.support.correctness import assert_all_three_match, hf_reference, make_prompts
@@ -47,8 +48,22 @@ def test_family_matches_transformers_under_prefix_hits_chunks_and_preemption(fam
     # keep enough freed window blocks cached for the second run's prefix hits.
     # One sliding group (Mistral, Phi-3 here) holds a window per request: fewer blocks.
     # Gemma 2 here: a sliding and a full group, of one layer each.
-    num_blocks = {"gemma3": 110, "gemma2": 36, "mistral-window": 16}.get(
-        model_dir.name[:-1], 24)
     llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
-              num_gpu_blocks_override=num_blocks)
+              num_gpu_blocks_override=preempting_blocks(model_dir))
+    assert_all_three_match(llm, shared, shared_ref)
+
+
+def preempting_blocks(model_dir) -> int:
+    return {"gemma3": 110, "gemma2": 36, "mistral-window": 16}.get(model_dir.name[:-1], 24)
+
+
+@pytest.mark.parametrize("family_case", ["mistral-window", "gemma2"], indirect=True)
+def test_int8_kv_cache_under_windows_and_softcaps(family_case):
+    """The int8 KV cache where attention takes other paths: a sliding window (the kernel's
+    first key, the windowed SDPA prefill, freed window blocks) and Gemma 2's logit softcap
+    (decodes by SDPA over dequantized gathers): greedy tokens under the near-tie rule."""
+    model_dir, shared, shared_ref = family_case
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+              num_gpu_blocks_override=preempting_blocks(model_dir), kv_cache_dtype="int8")
+    assert all(c.dtype == torch.int8 for c in llm.engine_core.executor.runner.kv_caches)
     assert_all_three_match(llm, shared, shared_ref)
