@@ -22,6 +22,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kv_int8_rows.h"
 #include "spin_pool.h"
 #include "vec8.h"
 
@@ -253,27 +254,11 @@ void for_each_row(const at::Tensor& key, const at::Tensor& value, int64_t heads,
   });
 }
 
-// One row of the int8 cache (engine/attention/kv_int8.py, quantize_rows): scale =
-// max |x| / 127 and q = round_half_even(x / scale) (x / 1 for a row of zeros), the same
-// float32 operations as the torch reference, so the same bytes; then the scale's 4 bytes.
-template <typename in_t>
-inline void quantize_row(const in_t* src, int64_t dim, int8_t* dst) {
-  float max_abs = 0.f;
-  for (int64_t d = 0; d < dim; ++d) max_abs = std::max(max_abs, std::fabs(static_cast<float>(src[d])));
-  const float scale = max_abs / 127.f;
-  const float divisor = scale > 0.f ? scale : 1.f;
-  for (int64_t d = 0; d < dim; ++d) {
-    const float q = std::nearbyint(static_cast<float>(src[d]) / divisor);
-    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
-  }
-  std::memcpy(dst + dim, &scale, sizeof scale);
-}
-
 }  // namespace
 
 // kv_cache[0 | 1, h, slot / block_size, slot % block_size, :] = key | value [t, h, :]
 // for every token t whose slot_mapping[t] >= 0 (-1 marks padding), cast to the cache
-// dtype (an int8 cache: each row quantized, quantize_row). key, value [T, Hkv, D] (any token and
+// dtype (an int8 cache: each row quantized, kv_int8_rows.h). key, value [T, Hkv, D] (any token and
 // head strides); kv_cache [2, Hkv, num_blocks, block_size, D] contiguous (int8: D + 4);
 // slot_mapping int64 [T].
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
@@ -282,8 +267,9 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
                   kv_cache.device().is_cpu(),
               "write_kv_cache: kv_cache must be a contiguous CPU [2, Hkv, blocks, block_size, D] (int8: D + 4)");
   const int64_t heads = kv_cache.size(1), num_slots = kv_cache.size(2) * kv_cache.size(3);
-  const bool int8_cache = kv_cache.scalar_type() == at::kChar;  // rows of dim + 4 bytes
-  const int64_t row = kv_cache.size(4), dim = int8_cache ? row - 4 : row;
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;  // rows of dim + scale bytes
+  const int64_t row = kv_cache.size(4);
+  const int64_t dim = int8_cache ? row - pagedserve::kv_int8::kScaleBytes : row;
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == heads &&
                   key.size(2) == dim && key.stride(2) == 1 && value.stride(2) == 1 &&
                   key.scalar_type() == value.scalar_type(),
@@ -302,7 +288,8 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache,
       int8_t* cache = kv_cache.data_ptr<int8_t>();
       for_each_row<in_t>(key, value, heads, dim, slots, tokens,
                          [&](const in_t* src, int kv, int64_t h, int64_t slot) {
-        quantize_row(src, dim, cache + ((kv * heads + h) * num_slots + slot) * row);
+        int8_t* dst = cache + ((kv * heads + h) * num_slots + slot) * row;
+        pagedserve::kv_int8::quantize_row(src, dim, dst);
       });
       return;
     }

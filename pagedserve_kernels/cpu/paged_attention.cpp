@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_int8_rows.h"
 #include "spin_pool.h"
 #include "vec8.h"
 
@@ -103,17 +104,13 @@ inline vec8 sums8(const vec8 v[8]) {
 #endif
 }
 
+using pagedserve::kv_int8::row_scale;
+
 // Elements of one (token, head) row of the cache: head_size, plus an int8 row's scale.
 template <typename T>
 constexpr int64_t row_elements(int64_t head_size) {
-  return std::is_same<T, int8_t>::value ? head_size + 4 : head_size;
-}
-
-// The float32 scale stored after an int8 row's head_size values.
-inline float row_scale(const int8_t* row, int64_t head_size) {
-  float scale;
-  std::memcpy(&scale, row + head_size, sizeof scale);
-  return scale;
+  return std::is_same<T, int8_t>::value ? head_size + pagedserve::kv_int8::kScaleBytes
+                                        : head_size;
 }
 
 template <typename T>  // the cache's element type
@@ -488,7 +485,8 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                   block_table.stride(1) == 1, "block_table must be int32 [R, max_blocks]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
                   seq_lens.size(0) == query.size(0), "seq_lens must be contiguous int32 [B]");
-  const int64_t row = kv_cache.size(4) - (kv_cache.scalar_type() == at::kChar ? 4 : 0);
+  const int64_t row = kv_cache.size(4) - (kv_cache.scalar_type() == at::kChar
+                                              ? pagedserve::kv_int8::kScaleBytes : 0);
   TORCH_CHECK(row == query.size(2) && query.size(1) % kv_cache.size(1) == 0,
               "query and kv_cache heads do not match (an int8 cache's rows hold head_size + 4)");
   if (row_tables.numel()) {

@@ -29,7 +29,6 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
