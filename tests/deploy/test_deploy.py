@@ -48,8 +48,10 @@ import yaml
 
 try:  # tests/ as a package (tests/__init__.py) or as plain rootdir-less test modules
     from tests.support import deploy_exprs as dx
+    from tests.support.kubernetes_schemas import assert_valid_kubernetes, crd_validator
 except ImportError:
     import deploy_exprs as dx
+    from kubernetes_schemas import assert_valid_kubernetes, crd_validator
 
 ROOT = dx.REPO_ROOT
 DOCKERFILE = ROOT / "Dockerfile"
@@ -60,7 +62,6 @@ PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus.yml"
 ALERTS = dx.ALERTS_PATH
 ALERTS_TEST = ROOT / "tests" / "data" / "alerts_test.yaml"
 K8S = ROOT / "deploy" / "kubernetes"
-CRD_SCHEMAS = ROOT / "tests" / "data" / "schemas"
 DOCS = ROOT / "docs" / "deploy.md"
 
 # Environment variables the server reads that are not flags.
@@ -760,11 +761,6 @@ def test_alert_expressions_parse(promtool):
 
 
 def test_kubernetes_manifests_validate_against_schemas():
-    import kubernetes_validate
-
-    versions = kubernetes_validate.utils.all_versions()
-    latest = kubernetes_validate.utils.latest_version()
-    oldest = "1.28.0" if any(v.startswith("1.28") for v in versions) else latest
     crd_kinds = {"ServiceMonitor", "PrometheusRule"}
     checked = set()
     for path, doc in k8s_documents():
@@ -773,19 +769,11 @@ def test_kubernetes_manifests_validate_against_schemas():
             continue
         checked.add(kind)
         if kind in crd_kinds:
-            group = doc["apiVersion"].split("/")[0]
-            version = doc["apiVersion"].split("/")[1]
-            schema_path = CRD_SCHEMAS / f"{kind.lower()}.{group}_{version}.json"
-            schema = json.loads(schema_path.read_text())
-            validator = jsonschema.validators.validator_for(schema)(schema)
+            validator = crd_validator(kind, doc["apiVersion"])
             errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
             assert not errors, f"{path.name}: " + "\n".join(errors)
             continue
-        for version in {latest, oldest}:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except jsonschema.ValidationError as exc:
-                pytest.fail(f"{path.name} ({kind}) against Kubernetes {version}: {exc.message}")
+        assert_valid_kubernetes(doc, f"{path.name} ({kind})")
     assert checked >= {
         "Deployment",
         "Service",
@@ -801,8 +789,7 @@ def test_kubernetes_manifests_validate_against_schemas():
 def test_crd_schemas_reject_mistakes():
     """The hand-written CRD schemas are strict enough to catch a typo or a wrong type."""
     monitor = copy.deepcopy(k8s("ServiceMonitor"))
-    schema = json.loads((CRD_SCHEMAS / "servicemonitor.monitoring.coreos.com_v1.json").read_text())
-    validator = jsonschema.validators.validator_for(schema)(schema)
+    validator = crd_validator("ServiceMonitor", monitor["apiVersion"])
     assert validator.is_valid(monitor)
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     assert not validator.is_valid(monitor)

@@ -15,12 +15,12 @@ import shlex
 from pathlib import Path
 
 import jsonschema
-import pytest
 import yaml
 
 from engine.config import ParallelConfig
 from engine.executor.multiproc_executor import control_port, node_ranks
 from server.http.cli import make_arg_parser
+from tests.support.kubernetes_schemas import assert_valid_kubernetes
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_DIR = ROOT / "deploy" / "kubernetes" / "tensor-parallel"
@@ -34,12 +34,8 @@ def documents(name: str) -> list[dict]:
 def validate_k8s(doc: dict) -> None:
     import kubernetes_validate
 
-    for version in (kubernetes_validate.utils.latest_version(),):
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except jsonschema.ValidationError as exc:
-            pytest.fail(f"{doc['kind']} {doc['metadata'].get('name')} against {version}: "
-                        f"{exc.message}")
+    assert_valid_kubernetes(doc, f"{doc['kind']} {doc['metadata'].get('name')}",
+                            {kubernetes_validate.utils.latest_version()})
 
 
 def parse_serve_args(args: list[str], env: dict[str, str]):

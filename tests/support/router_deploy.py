@@ -39,7 +39,6 @@ POOL_DIR = K8S / "inference-pool"
 KUSTOMIZATIONS = (ROUTER_DIR, REPLICAS_DIR, KV_AWARE_DIR, POOL_DIR)
 ROUTER_DOCKERFILE = ROUTER_DIR / "vllm-router.Dockerfile"
 COMPOSE_ROUTER = REPO_ROOT / "deploy" / "compose" / "router.yaml"
-SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 # The endpoint picker's flags in GIE v1.5.0 (kubernetes-sigs/gateway-api-inference-extension:
 # pkg/epp/server/options.go AddFlags, plus the zap/klog logging flags it adds).
