@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -339,38 +340,40 @@ def localize(args: list[str], workers: dict[str, FakeWorker]) -> tuple[list[str]
 
 
 @contextlib.contextmanager
-def running_router(binary: str, args: list[str], timeout: float = 60) -> Iterator[str]:
-    """The router started with `args` (already localized); yields its URL once /liveness
-    answers; fails with its log if it exits first."""
-    port = args[args.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    log = subprocess.Popen([binary, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+def running_router(binary: str, args: list[str], timeout: float = 60,
+                   ready_path: str = "/liveness") -> Iterator[str]:
+    """The router started with `args` (already localized, `--port` among them); yields its
+    URL once `ready_path` answers 200 (/v1/models: once it has healthy workers); fails with
+    the end of its log if it exits first or is not ready within `timeout` seconds. Its output
+    goes to a temporary file, which a chatty router cannot fill up as it can a pipe."""
     import httpx
 
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/liveness", timeout=2).status_code == 200:
-                    break
-            if log.poll() is not None or time.monotonic() > deadline:
-                log.kill()
-                output = log.communicate(timeout=10)[0]
-                raise AssertionError(f"vllm-router {' '.join(args)} did not start:\n"
-                                     + re.sub(r"\x1b\[[0-9;]*m", "", output)[-4000:])
-            time.sleep(0.2)
-        yield url
-    finally:
-        if log.poll() is None:
-            log.terminate()
-            try:
-                log.wait(10)
-            except subprocess.TimeoutExpired:
-                log.kill()
-                log.wait(10)
-        if log.stdout:
-            log.stdout.close()
+    url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+    with tempfile.TemporaryFile("w+") as log:
+        router = subprocess.Popen([binary, *args], stdout=log, stderr=subprocess.STDOUT,
+                                  text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                        break
+                if router.poll() is not None or time.monotonic() > deadline:
+                    router.kill()
+                    router.wait(10)
+                    log.seek(0)
+                    raise AssertionError(f"vllm-router {' '.join(args)} did not start:\n"
+                                         + re.sub(r"\x1b\[[0-9;]*m", "", log.read())[-4000:])
+                time.sleep(0.2)
+            yield url
+        finally:
+            if router.poll() is None:
+                router.terminate()
+                try:
+                    router.wait(10)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+                    router.wait(10)
 
 
 def compose_interpolate(value: str, env: dict[str, str] | None = None) -> str:
