@@ -55,7 +55,7 @@ from tests.support.metrics import (
     value,
     wait_until,
 )
-from tests.support.server_fixtures import free_port, serving
+from tests.support.server_fixtures import free_port, serving, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -129,12 +129,7 @@ def prometheus(binaries, server, tmp_path_factory):
             time.sleep(0.1)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process, 15)
         log.close()
 
 

@@ -31,6 +31,8 @@ from unittest import mock
 
 import yaml
 
+from tests.support.server_fixtures import stop_process
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S = REPO_ROOT / "deploy" / "kubernetes"
 ROUTER_DIR = K8S / "router"
@@ -367,13 +369,7 @@ def running_router(binary: str, args: list[str], timeout: float = 60,
                 time.sleep(0.2)
             yield url
         finally:
-            if router.poll() is None:
-                router.terminate()
-                try:
-                    router.wait(10)
-                except subprocess.TimeoutExpired:
-                    router.kill()
-                    router.wait(10)
+            stop_process(router, 10)
 
 
 def compose_interpolate(value: str, env: dict[str, str] | None = None) -> str:

@@ -342,6 +342,20 @@ class LoggedServerProcess:
         raise TimeoutError("server did not start:\n" + "\n".join(self.lines))
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float,
+                 stop_signal: int = signal.SIGTERM) -> None:
+    """Send `stop_signal` to a running `process` and wait `timeout_s` for it to exit; kill
+    it if it does not (then wait up to 10 s more)."""
+    if process.poll() is not None:
+        return
+    process.send_signal(stop_signal)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
 class ServerProcess(LoggedServerProcess):
     """`python -m server serve ...` in a subprocess; its log lines are collected."""
 
@@ -351,13 +365,7 @@ class ServerProcess(LoggedServerProcess):
         super().__init__([sys.executable, "-m", "server", "serve", *args], full_env)
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_process(self.process, 30, signal.SIGINT)
         self._reader.join(5)
         return self.process.returncode
 
