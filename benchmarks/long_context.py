@@ -21,29 +21,20 @@ import argparse
 import time
 from pathlib import Path
 
+# SmolLM2-135M-Instruct's shape (its rope theta, norm epsilon and tokenizer come from the
+# default model's GGUF in build_checkpoint).
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-             tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+             tie_word_embeddings=True, initializer_range=0.02)
 
 
 def build_model(out_dir: Path, positions: int) -> Path:
     """A random SmolLM2-135M-shaped Llama with `positions` positions (bfloat16), once."""
-    if (out_dir / "config.json").exists():
-        return out_dir
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    if not (out_dir / "config.json").exists():
+        from benchmarks.peers.make_bench_gguf import build_checkpoint
+        from engine.model_loader.source import default_model_gguf
 
-    from engine.model_loader.source import default_model_gguf
-
-    source = default_model_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=positions,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         architectures=["LlamaForCausalLM"], **SHAPE)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+        build_checkpoint(out_dir, default_model_gguf(), seed=0, shape=SHAPE, positions=positions)
     return out_dir
 
 

@@ -63,21 +63,24 @@ def gguf_metadata(path: Path) -> dict:
     return meta
 
 
-def build_checkpoint(hf_dir: Path, source: Path, seed: int) -> dict:
-    """Save the random model (bfloat16) and SmolLM2's tokenizer into `hf_dir`."""
+def build_checkpoint(hf_dir: Path, source: Path, seed: int, shape: dict | None = None,
+                     positions: int | None = None) -> dict:
+    """Save the random model (bfloat16; `shape`, default SHAPE; `positions`, default the
+    source GGUF's context length) and SmolLM2's tokenizer into `hf_dir`."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     meta = gguf_metadata(source)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), max_position_embeddings=meta["llama.context_length"],
+        vocab_size=len(tokenizer),
+        max_position_embeddings=positions or meta["llama.context_length"],
         rope_theta=meta["llama.rope.freq_base"],
         rms_norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
         bos_token_id=meta["tokenizer.ggml.bos_token_id"],
         eos_token_id=meta["tokenizer.ggml.eos_token_id"],
         pad_token_id=meta["tokenizer.ggml.padding_token_id"],
-        architectures=["LlamaForCausalLM"], **SHAPE,
+        architectures=["LlamaForCausalLM"], **(shape or SHAPE),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)  # float32, HF's init

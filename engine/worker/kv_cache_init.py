@@ -42,11 +42,15 @@ class KVCacheSpec:
     block_size: int
 
     @property
+    def row_elements(self) -> int:
+        """Elements of one (token, head) row of K or V: head_size, plus an int8 row's scale."""
+        return row_elements(self.head_size, self.dtype)
+
+    @property
     def block_bytes(self) -> int:
         """Bytes one block takes in one layer (K and V)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        row = row_elements(self.head_size, self.dtype)  # int8: + the row's scale
-        return 2 * self.block_size * self.num_kv_heads * row * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.row_elements * itemsize
 
 
 def get_kv_cache_specs(
@@ -149,7 +153,7 @@ def allocate_kv_caches(
     """
     def allocate(spec: KVCacheSpec) -> torch.Tensor:
         shape = shape_of(num_blocks + NUM_PADDING_BLOCKS, spec.block_size,
-                         spec.num_kv_heads, row_elements(spec.head_size, spec.dtype))
+                         spec.num_kv_heads, spec.row_elements)
         if device.type == "cpu":
             return zero_pages(shape, spec.dtype)
         return torch.zeros(shape, dtype=spec.dtype, device=device)
