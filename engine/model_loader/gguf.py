@@ -23,7 +23,9 @@ Mistral with that window), qwen2, qwen3, qwen3moe, gemma3 (text) and gemma2 (lla
 stores their norm weights as 1 + w: `norm_offset` tells the loader to take the 1 back off),
 phi3 (Phi-3,
 Phi-3.5, Phi-4-mini: fused `attn_qkv` / `ffn_up` (gate and up) tensors, LongRoPE factors as
-the `rope_factors_long` / `rope_factors_short` tensors).
+the `rope_factors_long` / `rope_factors_short` tensors); and bert, an embedding model
+(all-MiniLM, bge, e5: engine.model_loader.gguf_bert writes its config, WordPiece tokenizer
+and pooling).
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.model_loader import gguf_mmproj
+from engine.model_loader.gguf_bert import (
+    bert_config,
+    bert_tensor_names,
+    bert_tokenizer,
+    check_bert_tensors,
+    is_bert,
+    save_pooling,
+)
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
 from engine.sampling_defaults import GGUF_SAMPLING_KEYS
 
@@ -210,7 +220,9 @@ def check_tensors(gguf: GGUFFile) -> None:
     lack, a tensor whose data runs past the end of the file (truncated), or a shape that
     disagrees with the metadata's model dimensions."""
     file_size = gguf.path.stat().st_size
-    expected = _expected_shapes(gguf)
+    if is_bert(gguf):
+        check_bert_tensors(gguf)
+    expected = (lambda _: None) if is_bert(gguf) else _expected_shapes(gguf)
     for gguf_name, hf_name in hf_tensor_names(gguf):
         info = gguf.tensors[gguf_name]
         if info.ggml_type not in SUPPORTED_TYPES:
@@ -280,6 +292,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
     if gguf.get("general.architecture") == "clip":
         raise UnsupportedGGUFError(f"{gguf_path.name} is a vision projector (llama.cpp "
                                    "mmproj): pass it as --mmproj beside the text model's GGUF")
+    if is_bert(gguf):
+        if mmproj is not None:
+            raise UnsupportedGGUFError(f"{gguf_path.name} is an embedding model (bert): "
+                                       "--mmproj pairs a projector with a text model")
+        _convert_bert(gguf, out_dir)
+        return
     projector = None if mmproj is None else gguf_mmproj.open_mmproj(Path(mmproj).resolve())
     check_tensors(gguf)
     text_config = config_from_gguf(gguf)
@@ -293,6 +311,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
     _save_generation_config(text_config, out_dir, end_of_turn_ids(gguf, tokenizer),
                             gguf_sampling_defaults(gguf))
     (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source))
+
+
+def _convert_bert(gguf: GGUFFile, out_dir: Path) -> None:
+    """A bert GGUF's config, tokenizer and pooling (engine.model_loader.gguf_bert); no
+    generation config: an encoder generates nothing."""
+    check_tensors(gguf)
+    config = bert_config(gguf)
+    bert_tokenizer(gguf).save_pretrained(out_dir)
+    save_pooling(gguf, out_dir)
+    config.save_pretrained(out_dir)
+    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf_file": str(gguf.path)}))
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:
@@ -320,7 +349,7 @@ def config_from_gguf(gguf: GGUFFile):
     arch = gguf.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedGGUFError(f"unsupported GGUF architecture {arch!r}; supported: "
-                         f"{', '.join(_ARCHITECTURES)}")
+                         f"{', '.join([*_ARCHITECTURES, 'bert'])}")
     model_type, class_name = _ARCHITECTURES[arch]
 
     def meta(key: str, default=None):
@@ -481,6 +510,9 @@ def hf_tensor_names(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     "{expert}" for the caller to fill: `model.layers.3.mlp.experts.{expert}.up_proj.weight`.
     Raises UnsupportedGGUFError for a tensor the architectures here have no place for.
     """
+    if is_bert(gguf):
+        yield from bert_tensor_names(gguf)
+        return
     architecture = gguf.get("general.architecture")
     for name in gguf.tensors:
         if name not in _SETTING_TENSORS:

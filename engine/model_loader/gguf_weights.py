@@ -27,6 +27,10 @@ asked or the platform needs; the caller says so in the log.
 A vision-language model (a text GGUF with an `mmproj`: engine.model_loader.gguf_mmproj)
 takes the text tensors into its text part (`model.*`, `lm_head`) exactly so, and its
 vision tower and connector from the mmproj, dequantized.
+
+A BERT embedding model (a `bert` GGUF: engine.model_loader.gguf_bert) has plain dense
+linears (engine.models.bert): each tensor, Q8_0 or F16 alike, is dequantized into its
+parameter in the model's dtype, under its HF checkpoint name (BertModel.load_weights).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from engine.model_loader.gguf import (
     check_tensors,
     has_rotary_permutation,
     hf_tensor_names,
+    is_bert,
     norm_offset,
     unpermute_rotary_rows,
 )
@@ -75,6 +80,8 @@ class GGUFLoadReport:
     path: Path
     packed_types: Counter = field(default_factory=Counter)  # GGML type -> tensors kept packed
     repacked_types: Counter = field(default_factory=Counter)  # GGML type -> tensors repacked
+    # GGML type -> quantized tensors dequantized into dense parameters (a BERT's)
+    dequantized_types: Counter = field(default_factory=Counter)
     dense_tensors: int = 0
     packed_bytes: int = 0  # bytes the packed linears and tables hold
     mmproj: Path | None = None  # the vision projector the vision tensors came from
@@ -85,6 +92,7 @@ class GGUFLoadReport:
         (and ", 38 vision tensors dense (mmproj-smolvlm.gguf)" with an mmproj)."""
         parts = [f"{n} {t} as they are" for t, n in sorted(self.packed_types.items())]
         parts += [f"{n} {t} repacked" for t, n in sorted(self.repacked_types.items())]
+        parts += [f"{n} {t} dequantized" for t, n in sorted(self.dequantized_types.items())]
         parts.append(f"{self.dense_tensors} dense tensors")
         if self.mmproj is not None:
             parts.append(f"{self.vision_tensors} vision tensors dense ({self.mmproj.name})")
@@ -104,6 +112,9 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool,
     gguf = GGUFFile(gguf_path)
     check_tensors(gguf)
     report = GGUFLoadReport(Path(gguf_path))
+    if is_bert(gguf):
+        _load_bert_weights(model, gguf, report)
+        return report
     config = model.config
     pieces: dict[str, dict[int | None, object]] = defaultdict(dict)  # module -> shard -> packed
     dense: list[tuple[str, torch.Tensor]] = []
@@ -147,6 +158,21 @@ def load_gguf_weights(model: nn.Module, gguf_path: str | Path, pack: bool,
         report.mmproj = Path(mmproj)
         report.vision_tensors = load_mmproj_weights(model, mmproj)
     return report
+
+
+def _load_bert_weights(model: nn.Module, gguf: GGUFFile, report: GGUFLoadReport) -> None:
+    """Every tensor dequantized (float32, then the parameter's dtype as it is copied) under
+    its HF name: 'blk.0.attn_q.weight' -> 'encoder.layer.0.attention.self.query.weight'."""
+    def tensors():
+        for gguf_name, hf_name in hf_tensor_names(gguf):
+            info = gguf.tensors[gguf_name]
+            if info.ggml_type in DENSE_TYPES:
+                report.dense_tensors += 1
+            else:
+                report.dequantized_types[info.ggml_type.name] += 1
+            yield hf_name, torch.from_numpy(gguf.load(gguf_name))
+
+    model.load_weights(tensors())
 
 
 class _TextPart(nn.Module):
