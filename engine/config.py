@@ -153,6 +153,49 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+# --hf-overrides: the config.json keys it may set (what a causal-LM reranker needs to be
+# served as a sequence classifier, as vLLM spells them; engine/model_loader/hf_config.py).
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker",
+                    "method", "use_pad_token")
+
+
+def check_hf_overrides(value: Mapping[str, Any]) -> None:
+    """ValueError naming what is wrong with --hf-overrides' object: a key other than
+    HF_OVERRIDE_KEYS, or a value of the wrong kind."""
+    unknown = sorted(set(value) - set(HF_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"--hf-overrides: {', '.join(map(repr, unknown))} cannot be overridden "
+                         f"(only {', '.join(HF_OVERRIDE_KEYS)})")
+    architectures = value.get("architectures", ["-"])
+    if (not isinstance(architectures, list) or not architectures
+            or not all(isinstance(a, str) and a for a in architectures)):
+        raise ValueError("--hf-overrides: architectures must be a list of class names")
+    tokens = value.get("classifier_from_token")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != 2 or not all(
+            isinstance(t, (str, int)) and not isinstance(t, bool) for t in tokens)):
+        raise ValueError("--hf-overrides: classifier_from_token must be two tokens (texts or "
+                         'ids), the negative one first: ["no", "yes"]')
+    for key in ("is_original_qwen3_reranker", "use_pad_token"):
+        if key in value and not isinstance(value[key], bool):
+            raise ValueError(f"--hf-overrides: {key} must be true or false")
+    if value.get("method", "from_2_way_softmax") != "from_2_way_softmax":
+        raise ValueError("--hf-overrides: method may only be from_2_way_softmax")
+    two_way = value.get("is_original_qwen3_reranker") or "method" in value
+    if two_way and tokens is None:
+        raise ValueError('--hf-overrides: a reranker scored from two tokens\' logits needs '
+                         'classifier_from_token (Qwen3-Reranker: ["no", "yes"])')
+
+
+def hf_overrides_json(text: str) -> dict[str, Any]:
+    """--hf-overrides: a JSON object of HF_OVERRIDE_KEYS (check_hf_overrides)."""
+    value = json_object(text)
+    try:
+        check_hf_overrides(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--hf-overrides: ")) from None
+    return value
+
+
 def generation_config_source(text: str) -> str:
     """--generation-config: "auto", "vllm", or a folder holding a generation_config.json."""
     from engine.sampling_defaults import GENERATION_CONFIG_MODES, read_generation_config_file
@@ -212,6 +255,13 @@ class ModelConfig:
         "'pooling' (embeddings: /v1/embeddings, Ollama's /api/embed), or 'auto' (pooling for "
         "an encoder such as BertModel, else generate).", group="model",
         choices=("auto", "generate", "pooling"))
+    hf_overrides: dict[str, Any] | None = option(  # engine.model_loader.hf_config
+        None, "--hf-overrides", "config.json values to override, as JSON with vLLM's names; "
+        "only what serves a causal-LM reranker as a sequence classifier: architectures, "
+        "classifier_from_token, is_original_qwen3_reranker, method, use_pad_token. "
+        "Qwen3-Reranker: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": "
+        "true}' (see docs/embeddings.md).", group="model", type=hf_overrides_json)
     seed: int = option(0, "--seed", "Random seed of the engine (requests without a seed).",
                        group="model", type=int)
     enforce_eager: bool = option(
@@ -257,6 +307,8 @@ class ModelConfig:
 
         check_owner_settings(self.generation_config, self.override_generation_config,
                              self.max_tokens_default)
+        if self.hf_overrides is not None:
+            check_hf_overrides(self.hf_overrides)
 
 
 # --kv-cache-dtype's choices: "auto" = the model's compute dtype; int8 = rows of int8 with

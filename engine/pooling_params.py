@@ -9,11 +9,13 @@ instead of sampling, and the request finishes there, its blocks freed at once.
       cls   -> h0                        (BERT's [CLS] token; bge)
       last  -> h3                        (decoder embedders: Qwen3-Embedding)
     then the first `dimensions` values (Matryoshka models), then L2-normalized if asked.
-      classify -> the model's classification head on h0 (a cross-encoder reranker, BERT
-                  for sequence classification): its raw logits, one per label
+      classify -> the model's classification head on h0 (a cross-encoder reranker: BERT
+                  or XLM-RoBERTa for sequence classification) or on h3 (a decoder
+                  reranker, Qwen3ForSequenceClassification): its raw logits, one per label
 
-A cross-encoder reads a (query, document) pair as one prompt, [CLS] q [SEP] d [SEP]; its
-tokens from `token_type_start` on (the document's) are token type 1, the others 0.
+A cross-encoder reads a (query, document) pair as one prompt: BERT's [CLS] q [SEP] d [SEP],
+its tokens from `token_type_start` on (the document's) token type 1, the others 0;
+XLM-RoBERTa's <s> q </s></s> d </s> and a decoder's q + d, one token type.
 """
 
 from __future__ import annotations

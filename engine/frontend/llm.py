@@ -62,7 +62,8 @@ class LLM:
         self.model_dir = resolved.path
         config = EngineConfig.from_options(str(resolved.path), **options)
         # The tokenizer and EOS ids, as the server loads them: both stop at the same token.
-        self.resources = load_model_resources(resolved.path, config.model_config.chat_template)
+        self.resources = load_model_resources(resolved.path, config.model_config.chat_template,
+                                              config.model_config.hf_overrides)
         self.tokenizer = self.resources.tokenizer
         self.config = config
         self._checked_adapters: set[str] = set()  # adapter paths check_adapter passed

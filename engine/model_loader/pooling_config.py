@@ -9,8 +9,10 @@
 
 A checkpoint without modules.json pools as vLLM does by default: an encoder (BERT and
 its kind) its [CLS] token, a decoder its last token; both normalized. A cross-encoder
-(a classification head) gives its raw logits. Loading needs no
-torch (the HTTP frontend reads it too).
+(a classification head: BERT's or XLM-RoBERTa's on [CLS], a decoder reranker's on the
+last token) gives its raw logits. --hf-overrides (engine/model_loader/hf_config.py) may
+rename the architecture (a causal-LM Qwen3-Reranker read as Qwen3ForSequenceClassification);
+every reader here takes them. Loading needs no torch (the HTTP frontend reads it too).
 """
 
 from __future__ import annotations
@@ -22,10 +24,20 @@ from typing import Any
 
 from engine.pooling_params import PoolingParams
 
-# Architectures that only pool (no lm_head): they serve embeddings, never text.
-POOLING_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+# Decoder rerankers (engine/models/sequence_classification.py): a score head on the last
+# token. vLLM's "LLM as reranker": a pair is read as one text, query + document.
+DECODER_RERANKER_ARCHITECTURES = frozenset({
+    "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification"})
 # Those that score pairs (a cross-encoder reranker): /v1/rerank and /v1/score, no vectors.
-CROSS_ENCODER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
+CROSS_ENCODER_ARCHITECTURES = frozenset({
+    "BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+    *DECODER_RERANKER_ARCHITECTURES})
+# Architectures that only pool (no lm_head): they serve embeddings or scores, never text.
+POOLING_ARCHITECTURES = frozenset({"BertModel", "XLMRobertaModel",
+                                   *CROSS_ENCODER_ARCHITECTURES})
+# Encoders: without modules.json they pool their [CLS] token.
+_ENCODER_ARCHITECTURES = POOLING_ARCHITECTURES - DECODER_RERANKER_ARCHITECTURES
 
 # 1_Pooling/config.json's flags -> our pooling type (the first one set wins).
 _MODES = (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
@@ -47,23 +59,30 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _architectures(model_dir: str | Path) -> set[str]:
-    """config.json's `architectures` (empty without a readable one)."""
+def _model_config(model_dir: str | Path, hf_overrides: dict[str, Any] | None) -> dict:
+    """config.json's values ({} without a readable one), `hf_overrides` set over them."""
     config = _read_json(Path(model_dir) / "config.json")
-    return set(config.get("architectures") or []) if isinstance(config, dict) else set()
+    return {**(config if isinstance(config, dict) else {}), **(hf_overrides or {})}
 
 
-def read_pooling_config(model_dir: str | Path) -> PoolingConfig:
+def _architectures(model_dir: str | Path, hf_overrides: dict[str, Any] | None = None
+                   ) -> set[str]:
+    """config.json's `architectures` (empty without a readable one), or the overrides'."""
+    return set(_model_config(model_dir, hf_overrides).get("architectures") or [])
+
+
+def read_pooling_config(model_dir: str | Path,
+                        hf_overrides: dict[str, Any] | None = None) -> PoolingConfig:
     """The checkpoint's pooling (see the module doc). A pooling mode we do not have
     (max, mean_sqrt_len) is a ValueError naming it."""
     model_dir = Path(model_dir)
-    architectures = _architectures(model_dir)
+    architectures = _architectures(model_dir, hf_overrides)
     if architectures & CROSS_ENCODER_ARCHITECTURES:  # its head scores pairs: raw logits
         return PoolingConfig(PoolingParams("classify", normalize=False))
     sbert = _read_json(model_dir / "sentence_bert_config.json")
     max_seq_length = sbert.get("max_seq_length") if isinstance(sbert, dict) else None
     modules = _read_json(model_dir / "modules.json")
-    default_type = "cls" if architectures & POOLING_ARCHITECTURES else "last"
+    default_type = "cls" if architectures & _ENCODER_ARCHITECTURES else "last"
     if not isinstance(modules, list):
         return PoolingConfig(PoolingParams(default_type, normalize=True), max_seq_length)
     types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
@@ -83,13 +102,14 @@ def read_pooling_config(model_dir: str | Path) -> PoolingConfig:
 
 
 
-def model_runner_kind(model_dir: str | Path, runner: str = "auto") -> str:
+def model_runner_kind(model_dir: str | Path, runner: str = "auto",
+                      hf_overrides: dict[str, Any] | None = None) -> str:
     """"generate" or "pooling": what the model in `model_dir` serves under --runner
     `runner` (vLLM's flag): auto follows config.json's architectures (an encoder such as
-    BertModel pools; a decoder generates); `pooling` makes a decoder an embedder (its
-    last token's hidden state, Qwen3-Embedding style). ValueError for an encoder asked
-    to generate."""
-    architectures = _architectures(model_dir)
+    BertModel, or a reranker, pools; a decoder generates); `pooling` makes a decoder an
+    embedder (its last token's hidden state, Qwen3-Embedding style). ValueError for a
+    pooling-only model asked to generate."""
+    architectures = _architectures(model_dir, hf_overrides)
     encoder = bool(architectures & POOLING_ARCHITECTURES)
     if runner == "generate" and encoder:
         raise ValueError(f"--runner generate: {', '.join(sorted(architectures))} has no "
@@ -109,6 +129,18 @@ def embedding_size_of(model_dir: str | Path) -> tuple[int | None, bool]:
             bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions")))
 
 
-def is_cross_encoder(model_dir: str | Path) -> bool:
+def is_cross_encoder(model_dir: str | Path, hf_overrides: dict[str, Any] | None = None
+                     ) -> bool:
     """Whether config.json names a cross-encoder (a classification head over pairs)."""
-    return bool(_architectures(model_dir) & CROSS_ENCODER_ARCHITECTURES)
+    return bool(_architectures(model_dir, hf_overrides) & CROSS_ENCODER_ARCHITECTURES)
+
+
+def pairs_as_one_text(model_dir: str | Path, hf_overrides: dict[str, Any] | None = None
+                      ) -> bool:
+    """Whether the cross-encoder reads a (query, document) pair as one text, query +
+    document, as vLLM reads them for a decoder reranker (its `use_pad_token` false, the
+    default there); else as the tokenizer's pair template gives it (BERT: [CLS] q [SEP]
+    d [SEP], XLM-RoBERTa: <s> q </s></s> d </s>)."""
+    config = _model_config(model_dir, hf_overrides)
+    decoder = bool(set(config.get("architectures") or []) & DECODER_RERANKER_ARCHITECTURES)
+    return decoder and not config.get("use_pad_token", False)

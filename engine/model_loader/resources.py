@@ -119,13 +119,14 @@ def model_type_of(model_dir: Path) -> str | None:
     return value.get("model_type") if isinstance(value, dict) else None
 
 
-def load_model_resources(model: str | os.PathLike,
-                         chat_template: str | None = None) -> ModelResources:
-    """The tokenizer, chat template, EOS ids and generation config of `model` (see
+def load_model_resources(model: str | os.PathLike, chat_template: str | None = None,
+                         hf_overrides: dict[str, Any] | None = None) -> ModelResources:
+    """The tokenizer, chat template, EOS ids, generation config and pooling of `model` (see
     local_model_dir). `chat_template`: --chat-template (a built-in's name, a file or
-    Jinja text). The chosen template is set on the tokenizer and checked; a broken one
-    raises ChatTemplateError. A built-in template's end-of-turn markers stop requests as
-    the model's extra EOS ids do."""
+    Jinja text); `hf_overrides`: --hf-overrides (they may make the model a reranker). The
+    chosen template is set on the tokenizer and checked; a broken one raises
+    ChatTemplateError. A built-in template's end-of-turn markers stop requests as the
+    model's extra EOS ids do."""
     model_dir = local_model_dir(model)
     tokenizer = _tokenizer_at(model_dir)
     choice = choose_chat_template(tokenizer, model_type_of(model_dir), chat_template)
@@ -139,4 +140,4 @@ def load_model_resources(model: str | os.PathLike,
         if marker in vocab and vocab[marker] not in ids:
             ids.append(vocab[marker])
     return ModelResources(tokenizer, ids[0] if ids else None, ids[1:], generation_config,
-                          choice.source, read_pooling_config(model_dir))
+                          choice.source, read_pooling_config(model_dir, hf_overrides))

@@ -16,6 +16,7 @@ from torch import nn
 from engine import cpu_info
 from engine.distributed.parallel_state import get_tp_group
 from engine.model_loader.gguf import gguf_source, mmproj_source
+from engine.model_loader.hf_config import load_hf_config
 from engine.model_loader.quantize import QuantizationReport, quantize_model
 from engine.models import get_model_class
 
@@ -104,7 +105,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
-               device: torch.device | str = "cpu", quantization: str = "none") -> nn.Module:
+               device: torch.device | str = "cpu", quantization: str = "none",
+               hf_overrides: dict | None = None) -> nn.Module:
     """Our implementation of the checkpoint in `model_dir`, weights loaded, in eval mode.
 
     Parameters are allocated directly in `dtype` on `device` and never require
@@ -112,11 +114,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = "auto",
     cache directory: engine.model_loader.gguf) with `quantization` auto keeps its
     quantized tensors packed, read in place; otherwise `quantization` (see
     engine.model_loader.quantize) may give linears int8/int4 weights. What was done is
-    `model.quantization_report` (and `model.gguf_report` for a GGUF file).
+    `model.quantization_report` (and `model.gguf_report` for a GGUF file). `hf_overrides`:
+    --hf-overrides' config.json values (engine.model_loader.hf_config).
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_hf_config(model_dir, hf_overrides)
     dtype = resolve_dtype(config, dtype, device)
     model_class = get_model_class(config)
     start = time.perf_counter()

@@ -184,6 +184,11 @@ class DecoderForCausalLM(nn.Module):
             lambda i: DecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i)),
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.make_head(config)
+
+    def make_head(self, config: Any) -> None:
+        """The output head: the lm_head (a sequence classifier's score head instead:
+        engine/models/sequence_classification.py)."""
         # A tied lm_head is a Linear over the embedding's own parameter (one tensor in
         # memory), so it can be quantized like any other linear.
         tied = self.model.embed_tokens.weight if self.tie_word_embeddings else None

@@ -21,6 +21,12 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.sequence_classification import (
+    LlamaForSequenceClassification,
+    Qwen2ForSequenceClassification,
+    Qwen3ForSequenceClassification,
+)
+from engine.models.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 _MODELS: dict[str, type[nn.Module]] = {
     "BertForSequenceClassification": BertForSequenceClassification,
@@ -30,12 +36,17 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
 }
 
 

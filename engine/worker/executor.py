@@ -35,9 +35,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_max_model_len(hf_config, requested: int | None) -> int:
-    """The model's own context length, or a smaller `requested` one."""
+def resolve_max_model_len(hf_config, requested: int | None,
+                          max_positions: int | None = None) -> int:
+    """The model's own context length, or a smaller `requested` one. `max_positions`: the
+    most tokens the model's position table holds where that is less than
+    max_position_embeddings (XLM-RoBERTa's 514 rows hold 512 tokens)."""
     model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if max_positions is not None:
+        model_len = min(model_len, max_positions)
     if requested is None:
         return model_len
     if requested > model_len:
@@ -78,9 +83,8 @@ class Worker:
         self.draft_specs: list[kv_cache_init.KVCacheSpec] = []  # speculative draft_model
 
     def load(self) -> int:
-        from transformers import AutoConfig
-
         from engine.model_loader import load_model, resolve_dtype, resolve_model
+        from engine.model_loader.hf_config import load_hf_config
 
         config, rank = self.config, self.rank
         device = resolve_device(config.device_config.device)
@@ -91,7 +95,8 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         model_dir = resolve_model(config.model_config.model,
                                   mmproj=config.model_config.mmproj).path
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_overrides = config.model_config.hf_overrides
+        hf_config = load_hf_config(model_dir, hf_overrides)
         dtype = resolve_dtype(hf_config, config.model_config.dtype, device)
         if device.type == "cpu" and rank.rank == 0:
             from engine import cpu_info
@@ -108,13 +113,15 @@ class Worker:
         from engine import batch_invariant
 
         batch_invariant.set_enabled(config.model_config.batch_invariant)
-        model = load_model(model_dir, dtype, device, config.model_config.quantization)
+        model = load_model(model_dir, dtype, device, config.model_config.quantization,
+                           hf_overrides)
         text_config = hf_config.get_text_config()  # a multimodal checkpoint's language model
-        self.max_model_len = resolve_max_model_len(text_config, config.model_config.max_model_len)
+        self.max_model_len = resolve_max_model_len(text_config, config.model_config.max_model_len,
+                                                   getattr(model, "max_positions", None))
         if config.model_config.max_model_len is None and getattr(model, "is_pooling_model", False):
             from engine.model_loader.pooling_config import read_pooling_config
 
-            seq_len = read_pooling_config(model_dir).max_seq_length
+            seq_len = read_pooling_config(model_dir, hf_overrides).max_seq_length
             if seq_len is not None:  # where sentence-transformers truncates
                 self.max_model_len = min(self.max_model_len, seq_len)
         self.vocab_size = text_config.vocab_size

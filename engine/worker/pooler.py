@@ -19,12 +19,14 @@ def pool_rows(model: nn.Module, hidden_states: torch.Tensor, start: int, end: in
               params: PoolingParams) -> list[float]:
     """The vector of the request whose tokens are rows [start, end) of `hidden_states`,
     as float32 values: mean / first / last row, cut to `dimensions`, L2-normalized if
-    asked; for `classify`, the logits of `model`'s classification head on the first row.
-    A request's vector depends only on its own rows."""
+    asked; for `classify`, the logits of `model`'s classification head on the first row
+    (an encoder's [CLS]) or, for a model that `classifies_last_token` (a decoder
+    reranker), the last. A request's vector depends only on its own rows."""
     if params.pooling_type == "classify":
         if not hasattr(model, "classify"):
             raise ValueError("this model has no classification head")
-        return model.classify(hidden_states[start:start + 1])[0].tolist()
+        row = end - 1 if getattr(model, "classifies_last_token", False) else start
+        return model.classify(hidden_states[row:row + 1])[0].tolist()
     rows = hidden_states[start:end].float()
     if params.pooling_type == "mean":
         vector = rows.mean(dim=0)

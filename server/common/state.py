@@ -71,6 +71,9 @@ class ServerState:
     embedding_size: int | None = None
     matryoshka: bool = False
     cross_encoder: bool = False  # a reranker scoring (query, document) pairs
+    # A decoder reranker's pair is one text, query + document (vLLM's); else the
+    # tokenizer's pair template (server/apis/embeddings/routes.py).
+    pairs_as_one_text: bool = False
     # --enable-lora: the adapters offered under their own names (server/common/lora.py);
     # None: the base only. `lora_runtime_updating`: /v1/load_lora_adapter and unload.
     lora: LoRAAdapters | None = None

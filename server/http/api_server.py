@@ -61,6 +61,7 @@ from engine.model_loader.pooling_config import (
     embedding_size_of,
     is_cross_encoder,
     model_runner_kind,
+    pairs_as_one_text,
 )
 from engine.model_loader.resources import load_model_resources
 from engine.multimodal.processor import ImagePromptProcessor
@@ -344,7 +345,8 @@ class APIServer:
             # The tokenizer and EOS ids load in a thread while the engine core starts.
             resources_load = asyncio.ensure_future(
                 asyncio.to_thread(load_model_resources, self.model_dir,
-                                  self.engine_config.model_config.chat_template))
+                                  self.engine_config.model_config.chat_template,
+                                  self.engine_config.model_config.hf_overrides))
             try:
                 if self.shared_core is not None:
                     client = await AsyncSharedCoreClient.start(self.shared_core,
@@ -377,6 +379,7 @@ class APIServer:
             raise
         metrics.set_cache_config(self.engine_config.cache_config, engine.kv_cache_info)
         embedding_size = embedding_size_of(self.model_dir)
+        hf_overrides = self.engine_config.model_config.hf_overrides
         self.state = ServerState(
             engine=engine, tokenizer=resources.tokenizer,
             served_model_names=self.served_model_names, model_root=self.model_dir, metrics=metrics, api_key=options.api_key,
@@ -392,10 +395,12 @@ class APIServer:
             health_step_timeout_s=options.health_step_timeout_s, xray=options.xray,
             tool_call_parser=resolve_tool_call_parser(options.tool_call_parser, self.model_dir),
             reasoning_parser=options.reasoning_parser,
-            runner=model_runner_kind(self.model_dir, self.engine_config.model_config.runner),
+            runner=model_runner_kind(self.model_dir, self.engine_config.model_config.runner,
+                                     hf_overrides),
             pooling=resources.pooling,
             embedding_size=embedding_size[0], matryoshka=embedding_size[1],
-            cross_encoder=is_cross_encoder(self.model_dir),
+            cross_encoder=is_cross_encoder(self.model_dir, hf_overrides),
+            pairs_as_one_text=pairs_as_one_text(self.model_dir, hf_overrides),
             lora=self._lora_adapters(options),
             lora_runtime_updating=runtime_updating_allowed(options.allow_runtime_lora_updating),
             image_processor=ImagePromptProcessor.for_model(

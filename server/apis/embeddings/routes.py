@@ -71,28 +71,41 @@ async def _scores(state: ServerState, queries: list[str], documents: list[str],
     return await _cosines(state, queries, documents, truncate, id_prefix)
 
 
+def _pair_prompt(state: ServerState, query: str, document: str, truncate: int | None
+                 ) -> tuple[list[int], int | None]:
+    """A pair's token ids as the cross-encoder reads them, and where its token type 1
+    starts (None: one type). An encoder's: the tokenizer's pair template (BERT's [CLS] q
+    [SEP] d [SEP], the document's tokens type 1; XLM-RoBERTa's <s> q </s></s> d </s>, no
+    types), as sentence-transformers' CrossEncoder tokenizes it, truncation cutting the
+    document. A decoder reranker's: the one text query + document, as vLLM reads it,
+    truncation cutting its end."""
+    limit = min(truncate or state.max_model_len, state.max_model_len)
+    if state.pairs_as_one_text:
+        cut = {"truncation": True, "max_length": limit} if truncate else {}
+        return list(state.tokenizer(query + document, **cut).input_ids), None
+    encoded = state.tokenizer(query, document, truncation="only_second" if truncate else False,
+                              max_length=limit if truncate else None)
+    types = encoded.get("token_type_ids")
+    return list(encoded.input_ids), (types.index(1) if types and 1 in types else None)
+
+
 async def _pair_scores(state: ServerState, queries: list[str], documents: list[str],
                        truncate: int | None, id_prefix: str) -> tuple[list[float], int]:
-    """A cross-encoder's score of each pair, read together as [CLS] q [SEP] d [SEP]
-    (the document's tokens are type 1): the sigmoid of a one-label head's logit (a
-    several-label head: the softmax probability of its last label), as
-    sentence-transformers' CrossEncoder scores. Truncation cuts the document."""
+    """A cross-encoder's score of each pair, read together (_pair_prompt): the sigmoid
+    of a one-label head's logit (a several-label head: the softmax probability of its
+    last label), as sentence-transformers' CrossEncoder scores."""
     check_num_inputs(len(documents), "documents")
     token_lists, params = [], []
-    limit = min(truncate or state.max_model_len, state.max_model_len)
     for index, (query, document) in enumerate(zip(queries, documents, strict=True)):
         if not query or not document:
             raise bad_request(f"Pair {index} has an empty text.", "documents", "invalid_value")
-        encoded = state.tokenizer(query, document, truncation="only_second" if truncate
-                                  else False, max_length=limit if truncate else None)
-        ids, types = list(encoded.input_ids), list(encoded.token_type_ids)
+        ids, type_start = _pair_prompt(state, query, document, truncate)
         if len(ids) > state.max_model_len:
             raise bad_request(f"Pair {index} has {len(ids)} tokens; this model's maximum "
                               f"context length is {state.max_model_len} tokens.", "documents",
                               "context_length_exceeded")
         token_lists.append(ids)
-        params.append(dataclasses.replace(
-            state.pooling, token_type_start=types.index(1) if 1 in types else None))
+        params.append(dataclasses.replace(state.pooling, token_type_start=type_start))
     result = await embed(state, token_lists, params, id_prefix)
     scores = []
     for logits in result.vectors:

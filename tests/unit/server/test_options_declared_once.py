@@ -16,6 +16,7 @@ from engine.config import (
     engine_options,
     fraction,
     generation_config_source,
+    hf_overrides_json,
     json_object,
     kv_events_config_json,
     positive_int,
@@ -32,7 +33,8 @@ MODEL_SOURCE_DESTS = {"help", "model_tag", "model", "served_model_name"}
 SAMPLE_TEXT = {positive_int: "3", int: "3", byte_size: "2M", fraction: "0.5", str: "x",
                speculative_config_json: '{"method": "suffix"}',
                generation_config_source: "vllm", json_object: '{"temperature": 0.5}',
-               kv_events_config_json: '{"topic": "x"}'}
+               kv_events_config_json: '{"topic": "x"}',
+               hf_overrides_json: '{"use_pad_token": true}'}
 
 
 @pytest.fixture
