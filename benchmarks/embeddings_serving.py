@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 
 from benchmarks import serve as bench_serve
+from benchmarks import server_environment
 from benchmarks.compare_servers import (
     DEFAULT_LLAMA_SERVER_BIN,
     cpu_flags,
@@ -83,7 +84,7 @@ def running(command: list[str], port: int, log_path: Path, timeout_s: float) -> 
     print(f"[server] {shlex.join(command)}  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   env=server_environment(), start_new_session=True)
         try:
             wait_until_ready(base_url, process, timeout_s)
             yield base_url

@@ -71,6 +71,21 @@ def _architectures(model_dir: str | Path, hf_overrides: dict[str, Any] | None = 
     return set(_model_config(model_dir, hf_overrides).get("architectures") or [])
 
 
+def is_torch_encoder(model: str | Path) -> bool:
+    """Whether `model` (a checkpoint directory, or a llama.cpp `bert` GGUF file) is an
+    encoder (BERT, XLM-RoBERTa) whose forward is a chain of small torch ops rather than
+    the decoders' fused kernels; False for anything else or unreadable."""
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        from engine.model_loader.gguf_file import GGUFFile
+
+        try:
+            return GGUFFile(path).metadata.get("general.architecture") == "bert"
+        except ValueError:
+            return False
+    return bool(_architectures(path) & _ENCODER_ARCHITECTURES)
+
+
 def read_pooling_config(model_dir: str | Path,
                         hf_overrides: dict[str, Any] | None = None) -> PoolingConfig:
     """The checkpoint's pooling (see the module doc). A pooling mode we do not have
@@ -99,7 +114,6 @@ def read_pooling_config(model_dir: str | Path,
             pooling_type = chosen[0]
     return PoolingConfig(PoolingParams(pooling_type, normalize="Normalize" in types),
                          max_seq_length if isinstance(max_seq_length, int) else None)
-
 
 
 def model_runner_kind(model_dir: str | Path, runner: str = "auto",
