@@ -6,7 +6,7 @@ chat model's latency with an embedding load beside it, in one run.
 
 Part 1, throughput. One server at a time on 127.0.0.1: pagedserve on the sentence-transformers
 checkpoint, llama-server on the GGUF that llama.cpp's own converter makes of it
-(`--gguf-type`, f16 by default). The client sends the 1,000 mixed-length sentences of
+(`--gguf-type`, f16 by default), and pagedserve on that GGUF too (`pagedserve-gguf`). The client sends the 1,000 mixed-length sentences of
 benchmarks/embeddings.py in `POST /v1/embeddings` calls of B inputs each, one call at a time,
 and reports inputs/s and (real, unpadded) tokens/s, best of --repeats, and each side's lowest
 cosine against sentence-transformers' float32 vectors.
@@ -16,8 +16,10 @@ Part 2, chat beside embeddings. pagedserve serves the chat model (the default mo
 docs/embeddings.md tells users to run them. 8 chat clients (benchmarks.serve: random
 128-token prompts, 128 tokens out) run alone and then beside a client that sends batch-32
 embedding calls without pause, in ABBA order; reported: chat ITL p50 both ways, its rise, and
-the embedding inputs/s reached under chat load. `--embedder-nice` runs the embedder under
-`nice -n N` (each value is one row).
+the embedding inputs/s reached under chat load; then the same beside a control, a SCHED_IDLE
+Python busy loop (no embeddings at all). `--embedder-priority` runs the embedder at
+the default priority (`normal`), under `nice -n 19` (`nice`) or as SCHED_IDLE (`idle`:
+`chrt --idle 0`, CPU only when nothing else wants it); each value is one row.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,7 +53,9 @@ from benchmarks.embeddings import make_sentences, minilm_dir
 from benchmarks.peers.llamacpp_convert import convert
 from benchmarks.peers.make_bench_gguf import DEFAULT_TREE
 
-SERVERS = ("pagedserve", "llamacpp")
+SERVERS = ("pagedserve", "pagedserve-gguf", "llamacpp")
+# How the embedder server is started beside the chat model (part 2).
+PRIORITY_COMMANDS = {"normal": [], "nice": ["nice", "-n", "19"], "idle": ["chrt", "--idle", "0"]}
 
 
 def gguf_for(model_dir: Path, gguf_type: str, cache: Path) -> Path:
@@ -63,10 +67,10 @@ def gguf_for(model_dir: Path, gguf_type: str, cache: Path) -> Path:
 
 
 def server_command(args: argparse.Namespace, name: str, model: Path, port: int,
-                   nice: int = 0) -> list[str]:
+                   priority: str = "normal") -> list[str]:
     loopback = ["--host", "127.0.0.1", "--port", str(port)]
-    niced = ["nice", "-n", str(nice)] if nice else []
-    if name == "pagedserve":
+    niced = PRIORITY_COMMANDS[priority]
+    if name.startswith("pagedserve"):
         return [*niced, sys.executable, "-m", "server", "serve", "--model", str(model),
                 "--dtype", args.dtype, *loopback, *args.pagedserve_args]
     # One slot per input of the widest batch, each able to hold a whole sentence; a
@@ -135,36 +139,45 @@ def throughput(args: argparse.Namespace, name: str, model: Path, sentences: list
     return rows
 
 
+def _send_embeddings(base_url: str, sentences: list[str], batch: int, stop, counter) -> None:
+    """Batch-`batch` embedding calls back to back until `stop` is set, counting inputs."""
+    with httpx.Client(timeout=600) as client:
+        served = client.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        offset = 0
+        while not stop.is_set():
+            chunk = sentences[offset:offset + batch]
+            offset = (offset + batch) % (len(sentences) - batch)
+            client.post(f"{base_url}/v1/embeddings", json={
+                "model": served, "input": chunk, "encoding_format": "base64",
+            }).raise_for_status()
+            with counter.get_lock():
+                counter.value += len(chunk)
+
+
 class EmbeddingLoad:
-    """A thread sending batch-32 embedding calls back to back until stopped."""
+    """A client process sending batch-32 embedding calls back to back until stopped (base64
+    vectors, as the OpenAI SDK asks for them). A process, not a thread: decoding its
+    responses must not delay the chat client's reading of tokens."""
 
     def __init__(self, base_url: str, sentences: list[str], batch: int = 32):
-        self.base_url, self.sentences, self.batch = base_url, sentences, batch
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._counter = context.Value("q", 0)
+        self._process = context.Process(target=_send_embeddings, args=(
+            base_url, sentences, batch, self._stop, self._counter), daemon=True)
         self.inputs = 0
         self.seconds = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-        with httpx.Client(timeout=600) as client:
-            served = client.get(f"{self.base_url}/v1/models").json()["data"][0]["id"]
-            offset = 0
-            while not self._stop.is_set():
-                chunk = self.sentences[offset:offset + self.batch]
-                offset = (offset + self.batch) % (len(self.sentences) - self.batch)
-                client.post(f"{self.base_url}/v1/embeddings",
-                            json={"model": served, "input": chunk}).raise_for_status()
-                self.inputs += len(chunk)
-        self.seconds = time.perf_counter() - start
 
     def __enter__(self) -> EmbeddingLoad:
-        self._thread.start()
+        self._start = time.perf_counter()
+        self._process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._process.join()
+        self.seconds = time.perf_counter() - self._start
+        self.inputs = self._counter.value
 
 
 def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: str) -> float:
@@ -181,41 +194,63 @@ def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: 
     return float(metrics["itl_ms"]["median"])
 
 
+class BusyLoop:
+    """The control for part 2: one idle-priority process spinning in Python (what any busy
+    neighbour costs the chat server on this machine, whatever it computes)."""
+
+    inputs, seconds = 0, 1.0
+
+    def __enter__(self) -> BusyLoop:
+        self._process = subprocess.Popen(
+            [*PRIORITY_COMMANDS["idle"], sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._process.kill()
+        self._process.wait()
+
+
+def itl_beside(args: argparse.Namespace, chat_url: str, chat_dir: str, name: str,
+               make_load) -> dict:
+    """Chat ITL p50 alone and beside `make_load()`, in ABBA order; the load's inputs/s."""
+    alone, beside, rates = [], [], []
+    for index, with_load in enumerate((False, True, True, False)):
+        label = f"{name}-run{index + 1}-{'beside' if with_load else 'alone'}"
+        if not with_load:
+            alone.append(chat_itl_ms(args, chat_url, chat_dir, label))
+            continue
+        with make_load() as load:
+            time.sleep(2.0)  # the load is running before the chat clients start
+            beside.append(chat_itl_ms(args, chat_url, chat_dir, label))
+        rates.append(load.inputs / load.seconds)
+    row = {"beside": name, "itl_p50_alone_ms": statistics.mean(alone),
+           "itl_p50_beside_ms": statistics.mean(beside),
+           "rise": statistics.mean(beside) / statistics.mean(alone) - 1,
+           "embedding_inputs_per_s_beside": statistics.mean(rates)}
+    print(f"[chat load] beside {name}: ITL p50 {row['itl_p50_alone_ms']:.2f} ms alone, "
+          f"{row['itl_p50_beside_ms']:.2f} ms beside ({row['rise']:+.0%}); embeddings "
+          f"{row['embedding_inputs_per_s_beside']:.1f} inputs/s meanwhile", flush=True)
+    return row
+
+
 def chat_load(args: argparse.Namespace, embedder: Path, sentences: list[str]) -> list[dict]:
     from engine.model_loader import resolve_model
 
     chat_dir = str(resolve_model(args.chat_model).path)
     chat_port, embed_port = args.port, args.port + 1
+    chat_command = [sys.executable, "-m", "server", "serve", "--model", chat_dir,
+                    "--dtype", args.chat_dtype, "--host", "127.0.0.1", "--port", str(chat_port)]
+    log_dir = Path(args.result_dir)
     rows = []
-    for nice in args.embedder_nice:
-        chat_command = [sys.executable, "-m", "server", "serve", "--model", chat_dir,
-                        "--dtype", args.chat_dtype, "--host", "127.0.0.1",
-                        "--port", str(chat_port)]
-        embed_command = server_command(args, "pagedserve", embedder, embed_port, nice)
-        log_dir = Path(args.result_dir)
-        with running(chat_command, chat_port, log_dir / "chat.log",
-                     args.startup_timeout) as chat_url, \
-                running(embed_command, embed_port, log_dir / f"embedder-nice{nice}.log",
-                        args.startup_timeout) as embed_url:
-            alone, beside, rates = [], [], []
-            for index, with_load in enumerate((False, True, True, False)):  # ABBA
-                label = f"nice{nice}-run{index + 1}-{'beside' if with_load else 'alone'}"
-                if not with_load:
-                    alone.append(chat_itl_ms(args, chat_url, chat_dir, label))
-                    continue
-                with EmbeddingLoad(embed_url, sentences) as load:
-                    time.sleep(1.0)  # the load is running before the chat clients start
-                    beside.append(chat_itl_ms(args, chat_url, chat_dir, label))
-                rates.append(load.inputs / load.seconds)
-        row = {"embedder_nice": nice, "itl_p50_alone_ms": statistics.mean(alone),
-               "itl_p50_beside_ms": statistics.mean(beside),
-               "rise": statistics.mean(beside) / statistics.mean(alone) - 1,
-               "embedding_inputs_per_s_beside": statistics.mean(rates)}
-        print(f"[chat load] embedder nice {nice}: ITL p50 {row['itl_p50_alone_ms']:.2f} ms "
-              f"alone, {row['itl_p50_beside_ms']:.2f} ms beside embeddings "
-              f"({row['rise']:+.0%}); embeddings {row['embedding_inputs_per_s_beside']:.1f} "
-              "inputs/s meanwhile", flush=True)
-        rows.append(row)
+    with running(chat_command, chat_port, log_dir / "chat.log",
+                 args.startup_timeout) as chat_url:
+        for priority in args.embedder_priority:
+            embed_command = server_command(args, "pagedserve", embedder, embed_port, priority)
+            with running(embed_command, embed_port, log_dir / f"embedder-{priority}.log",
+                         args.startup_timeout) as embed_url:
+                rows.append(itl_beside(args, chat_url, chat_dir, f"embedder ({priority})",
+                                       lambda url=embed_url: EmbeddingLoad(url, sentences)))
+        rows.append(itl_beside(args, chat_url, chat_dir, "idle busy loop (control)", BusyLoop))
     return rows
 
 
@@ -227,13 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--dtype", default="auto", help="pagedserve's --dtype")
     parser.add_argument("--gguf-type", default="f16", help="llama-server's GGUF (f16, f32, q8_0)")
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="*", choices=SERVERS, default=list(SERVERS),
+                        help="part 1's servers (none: part 2 only)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-chat-load", action="store_true")
     parser.add_argument("--chat-model", default=None, help="default: the default model")
     parser.add_argument("--chat-dtype", default="auto")
     parser.add_argument("--chat-clients", type=int, default=8)
-    parser.add_argument("--embedder-nice", type=int, nargs="+", default=[0, 19])
+    parser.add_argument("--embedder-priority", nargs="+", choices=list(PRIORITY_COMMANDS),
+                        default=list(PRIORITY_COMMANDS))
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--result-dir", default="results/embeddings_serving")
@@ -268,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         rows += throughput(args, name, model, sentences, num_tokens, reference)
     by_key = {(r["server"], r["batch"]): r for r in rows}
     for batch in args.batch_sizes:
-        ours, theirs = by_key.get(("pagedserve", batch)), by_key.get(("llamacpp", batch))
-        if ours and theirs:
-            print(f"batch {batch}: pagedserve / llama-server = "
-                  f"{ours['inputs_per_s'] / theirs['inputs_per_s']:.2f}x")
+        theirs = by_key.get(("llamacpp", batch))
+        for name in ("pagedserve", "pagedserve-gguf"):
+            ours = by_key.get((name, batch))
+            if ours and theirs:
+                print(f"batch {batch}: {name} / llama-server = "
+                      f"{ours['inputs_per_s'] / theirs['inputs_per_s']:.2f}x")
     chat_rows = [] if args.skip_chat_load else chat_load(args, model_dir, sentences)
     (Path(args.result_dir) / "results.json").write_text(
         json.dumps({"throughput": rows, "chat_load": chat_rows}, indent=2))
