@@ -130,7 +130,13 @@ def build_hf_model(config, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed + 1)
+    randomize_constant_weights(model, torch.Generator().manual_seed(seed + 1))
+    return model.eval()
+
+
+def randomize_constant_weights(model, generator: torch.Generator) -> None:
+    """Give random values to what HF initializes to constants (norms around 1, biases, an
+    MoE router's zeros), so that a test sees a wrong use of any of them."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
@@ -139,8 +145,7 @@ def build_hf_model(config, seed: int = 0):
             elif name.endswith("bias"):
                 param.copy_(0.2 * noise)
             elif name.endswith("mlp.gate.weight"):  # MoE router: HF inits it to zeros
-                param.copy_(config.initializer_range * noise)
-    return model.eval()
+                param.copy_(model.config.initializer_range * noise)
 
 
 def build_tiny_checkpoint(

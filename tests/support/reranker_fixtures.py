@@ -20,7 +20,12 @@ from pathlib import Path
 
 import torch
 
-from tests.support.model_fixtures import build_hf_model, build_tiny_tokenizer, tiny_config
+from tests.support.model_fixtures import (
+    build_hf_model,
+    build_tiny_tokenizer,
+    randomize_constant_weights,
+    tiny_config,
+)
 
 QUERY = "How do paged KV caches save memory?"
 DOCUMENTS = [" Blocks are allocated on demand, so no memory is reserved for unused context.",
@@ -132,13 +137,8 @@ def build_tiny_decoder_reranker(out_dir: str | Path, arch: str = "qwen3", *,
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
         generator = torch.Generator().manual_seed(seed + 1)
+        randomize_constant_weights(model, generator)
         with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                noise = torch.randn(param.shape, generator=generator)
-                if "norm" in param_name:
-                    param.copy_(1.0 + 0.2 * noise)
-                elif param_name.endswith("bias"):
-                    param.copy_(0.2 * noise)
             model.score.weight.copy_(0.3 * torch.randn(model.score.weight.shape,
                                                        generator=generator))
         model.eval()
