@@ -30,8 +30,9 @@ from engine.request_output import RequestOutput
 from engine.sampling_defaults import resolve_sampling_defaults
 from engine.sampling_params import SamplingParams
 
-# A prompt: text, token ids, or (a vision model) {"prompt": text with one image
-# placeholder per image, "multi_modal_data": {"image": a PIL image or a list of them}}.
+# A prompt: text, token ids, vLLM's {"prompt": text} / {"prompt_token_ids": ids}, or (a
+# vision model) {"prompt": text with one image placeholder per image, "multi_modal_data":
+# {"image": a PIL image or a list of them}}.
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -183,12 +184,20 @@ class LLM:
                  pooling_params: PoolingParams | None, lora: LoRARequest | None):
         """One prompt checked and fanned out (a dict prompt's images expanded first)."""
         mm_features = None
-        if isinstance(prompt, dict):
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             images = (prompt.get("multi_modal_data") or {}).get("image") or []
             images = images if isinstance(images, (list, tuple)) else [images]
             processed = self._image_processor().process(
                 prompt["prompt"], [_Image(image, image_content_hash(image)) for image in images])
             prompt, mm_features = processed.token_ids, processed.features or None
+        elif isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt_token_ids" in prompt:
+                prompt = [int(token) for token in prompt["prompt_token_ids"]]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids' "
+                                 f"(got keys {sorted(prompt)})")
         return self.processor.process_inputs(
             str(next(self._counter)), prompt, params, time.time(),
             pooling_params=pooling_params, lora_request=lora, mm_features=mm_features)
