@@ -35,6 +35,10 @@ inline vec8 load8(const double* p) {
   for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
+using ::store_floats;
+inline void store_floats(const float* x, double* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i];
+}
 
 // Round a float32 to the tensor's dtype and back (identity for float32).
 template <typename T>
@@ -194,6 +198,8 @@ void rotary_neox_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
 
 // out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I]; silu(g) = g / (1 + exp(-g)),
 // rounded to the dtype before the product (as torch's F.silu(gate) * up).
+constexpr int64_t kSiluBlock = 256;
+
 void silu_and_mul(at::Tensor out, at::Tensor x) {
   check_rows(x, "x");
   check_rows(out, "out");
@@ -210,23 +216,38 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
         const scalar_t* g = xp + r * xs;
         const scalar_t* u = g + inner;
         scalar_t* o = op + r * os;
-        int64_t i = 0;
-        for (; i + 8 <= inner; i += 8) {
-          const vec8 gv = load8(g + i);
-          const vec8 silu = gv / (1.f + exp8(-gv));
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            const vec8 result = silu * load8(u + i);
-            std::memcpy(o + i, &result, sizeof result);
-          } else {
-            for (int j = 0; j < 8; ++j)
-              o[i + j] = static_cast<scalar_t>(round_to<scalar_t>(silu[j]) *
-                                               static_cast<float>(u[i + j]));
+        // 256 values at a time: silu in float32, rounded to the dtype (store_floats:
+        // round to nearest even, vectorized), times up, rounded again.
+        float buffer[kSiluBlock];
+        scalar_t rounded[kSiluBlock];
+        for (int64_t block = 0; block < inner; block += kSiluBlock) {
+          const int64_t n = std::min<int64_t>(kSiluBlock, inner - block);
+          int64_t i = 0;
+          for (; i + 8 <= n; i += 8) {
+            const vec8 gv = load8(g + block + i);
+            const vec8 silu = gv / (1.f + exp8(-gv));
+            std::memcpy(buffer + i, &silu, sizeof silu);
           }
-        }
-        for (; i < inner; ++i) {  // the last inner % 8 values
-          const float gate = static_cast<float>(g[i]);
-          const float silu = gate / (1.f + std::exp(-gate));
-          o[i] = static_cast<scalar_t>(round_to<scalar_t>(silu) * static_cast<float>(u[i]));
+          for (; i < n; ++i) {  // the row's last inner % 8 values
+            const float gate = static_cast<float>(g[block + i]);
+            buffer[i] = gate / (1.f + std::exp(-gate));
+          }
+          if constexpr (!std::is_same_v<scalar_t, float>) {
+            store_floats(buffer, rounded, n);
+            for (i = 0; i + 8 <= n; i += 8) {
+              const vec8 product = load8(rounded + i) * load8(u + block + i);
+              std::memcpy(buffer + i, &product, sizeof product);
+            }
+            for (; i < n; ++i)
+              buffer[i] = static_cast<float>(rounded[i]) * static_cast<float>(u[block + i]);
+          } else {
+            for (i = 0; i + 8 <= n; i += 8) {
+              const vec8 product = load8(buffer + i) * load8(u + block + i);
+              std::memcpy(buffer + i, &product, sizeof product);
+            }
+            for (; i < n; ++i) buffer[i] *= u[block + i];
+          }
+          store_floats(buffer, o + block, n);
         }
       }
     });
