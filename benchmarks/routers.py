@@ -14,7 +14,8 @@ Runs, each on two fresh replicas (empty caches; each pinned to its own core with
 `--cpu-threads 1` where the machine has two or more): vllm-router (PyPI `vllm-router`)
 with round_robin, cache_aware and kv_aware (fed by the replicas' KV events,
 `--kv-events-config`), and smg (PyPI `smg`) with round_robin and cache_aware; a router
-that is not installed is skipped. Reported per run: wall time, the prefix-cache hit rate
+that is not installed is skipped; and `direct`: one replica on every core, no router.
+Reported per run: wall time, the prefix-cache hit rate
 (cached prompt tokens / prompt tokens, from each response's `usage`), its ideal (every
 request but each tenant's first hits the whole system prompt, in whole blocks), errors.
 """
@@ -48,7 +49,10 @@ from benchmarks.compare_servers import (
 )
 
 RUNS = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
-        ("vllm-router", "kv_aware"), ("smg", "round_robin"), ("smg", "cache_aware"))
+        ("vllm-router", "kv_aware"), ("smg", "round_robin"), ("smg", "cache_aware"),
+        ("direct", "one replica"))
+# "direct": the same workload sent to ONE replica on every core (no router, no pinning):
+# whether two replicas behind a router beat one engine on this machine's cores.
 MODEL = "default"
 
 
@@ -86,11 +90,12 @@ def binary(name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def replicas(args: argparse.Namespace) -> Iterator[list[Replica]]:
+def replicas(args: argparse.Namespace, count: int = 2) -> Iterator[list[Replica]]:
     started: list[Replica] = []
-    pin = shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
+    pin = (count > 1 and shutil.which("taskset") is not None
+           and len(os.sched_getaffinity(0)) >= count)
     try:
-        for index in range(2):
+        for index in range(count):
             port = free_port()
             events = {"enable_kv_cache_events": True, "publisher": "zmq",
                       "endpoint": f"tcp://127.0.0.1:{free_port()}",
@@ -183,7 +188,9 @@ def served_count(replica: Replica) -> int:
 def run(args: argparse.Namespace, name: str, policy: str, pool: list[Replica],
         requests: list[tuple[int, list[dict]]]) -> RunResult:
     before = [served_count(r) for r in pool]
-    with router(name, policy, pool, args.block_size) as url:
+    front = (contextlib.nullcontext(pool[0].url) if name == "direct"
+             else router(name, policy, pool, args.block_size))
+    with front as url:
         def send(messages: list[dict]) -> dict | None:
             response = httpx.post(url + "/v1/chat/completions", timeout=600, json={
                 "model": MODEL, "messages": messages, "max_tokens": args.max_tokens,
@@ -227,17 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--routers", nargs="+", default=sorted({n for n, _ in RUNS}))
+    parser.add_argument("--routers", nargs="+", default=sorted({n for n, _ in RUNS}),
+                        help="which runs (direct: one replica on every core, no router)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args(argv)
     requests = workload(args)
     results: list[RunResult] = []
     ideal = None
     for name, policy in RUNS:
-        if name not in args.routers or binary(name) is None:
-            print(f"skipped {name} {policy}: not installed", file=sys.stderr)
+        if name not in args.routers or (name != "direct" and binary(name) is None):
+            print(f"skipped {name} {policy}: not installed or not asked for", file=sys.stderr)
             continue
-        with replicas(args) as pool:
+        with replicas(args, 1 if name == "direct" else 2) as pool:
             if ideal is None:
                 ideal = ideal_hit_rate(args, pool[0], requests)
             results.append(run(args, name, policy, pool, requests))
