@@ -288,15 +288,18 @@ def start_fake_server(tokenizer_dir: Path, **options) -> ServerThread:
 
 def start_model_server(model_dir: str | Path, *args: str, name: str = "tiny") -> ServerThread:
     """A real model's server in this process (engine in a thread), from CLI flags
-    (`--model model_dir --port 0` and `args`), serving it as `name`."""
+    (`--model model_dir --port 0` and `args`), serving it as `name`. The model is resolved
+    as the CLI resolves it (a GGUF file becomes its converted directory)."""
+    from engine.model_loader.source import resolve_model
     from server.http.api_server import APIServer, ServeOptions
     from server.http.cli import engine_config_from_args, make_arg_parser
 
     parsed = make_arg_parser().parse_args(
         ["--model", str(model_dir), "--port", "0", "--log-level", "warning", *args])
+    resolved = str(resolve_model(parsed.model, mmproj=parsed.mmproj).path)
     options = ServeOptions.from_options(vars(parsed), engine_mode="thread")
-    return ServerThread(APIServer(options, engine_config_from_args(parsed, parsed.model, name),
-                                  parsed.model, [name])).start()
+    return ServerThread(APIServer(options, engine_config_from_args(parsed, resolved, name),
+                                  resolved, [name])).start()
 
 
 def free_port() -> int:
