@@ -71,6 +71,27 @@ def _architectures(model_dir: str | Path, hf_overrides: dict[str, Any] | None = 
     return set(_model_config(model_dir, hf_overrides).get("architectures") or [])
 
 
+@dataclass(frozen=True)
+class EmbeddingPrompts:
+    """config_sentence_transformers.json's prompts: text put before an input, by name
+    (e5: {"query": "query: ", "passage": "passage: "}), and the one sentence-transformers'
+    encode applies when the caller names none."""
+
+    prompts: dict[str, str]
+    default_name: str | None = None
+
+
+def read_embedding_prompts(model_dir: str | Path) -> EmbeddingPrompts:
+    """The checkpoint's named prompts ({} without them); a default name that is not one
+    of them is dropped, as sentence-transformers refuses it."""
+    config = _read_json(Path(model_dir) / "config_sentence_transformers.json")
+    config = config if isinstance(config, dict) else {}
+    prompts = config.get("prompts") if isinstance(config.get("prompts"), dict) else {}
+    prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
+    default = config.get("default_prompt_name")
+    return EmbeddingPrompts(prompts, default if default in prompts else None)
+
+
 def is_torch_encoder(model: str | Path) -> bool:
     """Whether `model` (a checkpoint directory, or a llama.cpp `bert` GGUF file) is an
     encoder (BERT, XLM-RoBERTa) whose forward is a chain of small torch ops rather than

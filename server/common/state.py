@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.frontend.async_engine import HEALTH_PING_TIMEOUT_S, HEALTH_STEP_TIMEOUT_S, AsyncEngine
 from engine.lora_request import LoRARequest
+from engine.model_loader.pooling_config import EmbeddingPrompts
 from engine.multimodal.processor import ImagePromptProcessor
 from engine.pooling_params import PoolingParams
 from engine.sampling_defaults import SamplingDefaults
@@ -71,6 +72,8 @@ class ServerState:
     embedding_size: int | None = None
     matryoshka: bool = False
     cross_encoder: bool = False  # a reranker scoring (query, document) pairs
+    # sentence-transformers' named prompts, put before text inputs (`prompt_name`).
+    embedding_prompts: EmbeddingPrompts = field(default_factory=lambda: EmbeddingPrompts({}))
     # A decoder reranker's pair is one text, query + document (vLLM's); else the
     # tokenizer's pair template (server/apis/embeddings/routes.py).
     pairs_as_one_text: bool = False

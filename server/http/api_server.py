@@ -62,6 +62,7 @@ from engine.model_loader.pooling_config import (
     is_cross_encoder,
     model_runner_kind,
     pairs_as_one_text,
+    read_embedding_prompts,
 )
 from engine.model_loader.resources import load_model_resources
 from engine.multimodal.processor import ImagePromptProcessor
@@ -400,6 +401,7 @@ class APIServer:
             pooling=resources.pooling,
             embedding_size=embedding_size[0], matryoshka=embedding_size[1],
             cross_encoder=is_cross_encoder(self.model_dir, hf_overrides),
+            embedding_prompts=read_embedding_prompts(self.model_dir),
             pairs_as_one_text=pairs_as_one_text(self.model_dir, hf_overrides),
             lora=self._lora_adapters(options),
             lora_runtime_updating=runtime_updating_allowed(options.allow_runtime_lora_updating),

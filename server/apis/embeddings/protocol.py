@@ -28,6 +28,10 @@ class EmbeddingRequest(OpenAIRequest):
     truncate_prompt_tokens: Int64 | None = Field(
         None, description="vLLM's: cut each input to its first N tokens (-1: to the "
         "model's context) instead of a 400 when it is longer.")
+    prompt_name: str | None = Field(
+        None, description="TEI's: one of the model's sentence-transformers prompts "
+        "(config_sentence_transformers.json, e.g. e5's \"query\"), put before each text "
+        "input. Default: the model's default_prompt_name, if it has one.")
 
 
 class EmbeddingData(OpenAIResponse):

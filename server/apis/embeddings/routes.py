@@ -40,6 +40,7 @@ from server.apis.embeddings.run import (
     check_serves_embeddings,
     embed,
     pooling_params_for,
+    prompt_prefix,
     tokenize_inputs,
 )
 from server.apis.ollama.protocol import OllamaError
@@ -140,7 +141,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         check_serves_embeddings(state)
         params = pooling_params_for(state, body.dimensions)
         truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
-        token_lists = tokenize_inputs(state, body.input, truncate)
+        token_lists = tokenize_inputs(state, body.input, truncate,
+                                      prefix=prompt_prefix(state, body.prompt_name))
         result = await embed(state, token_lists, params, "embd")
         encode = base64_vector if body.encoding_format == "base64" else (lambda v: v)
         return EmbeddingResponse(
@@ -208,7 +210,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         check_serves_embeddings(state)
         params = pooling_params_for(state, body.dimensions)
         token_lists = tokenize_inputs(state, body.input,
-                                      state.max_model_len if body.truncate else None)
+                                      state.max_model_len if body.truncate else None,
+                                      prefix=prompt_prefix(state, None))
         result = await embed(state, token_lists, params, "ollama-embed")
         return OllamaEmbedResponse(model=body.model, embeddings=result.vectors,
                                    total_duration=time.perf_counter_ns() - start,
@@ -220,7 +223,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         """Ollama's older endpoint: one prompt, one vector (cut to fit the context)."""
         served_name(state, body.model)
         check_serves_embeddings(state)
-        token_lists = tokenize_inputs(state, body.prompt, state.max_model_len, "prompt")
+        token_lists = tokenize_inputs(state, body.prompt, state.max_model_len, "prompt",
+                                      prefix=prompt_prefix(state, None))
         result = await embed(state, token_lists, state.pooling, "ollama-embeddings")
         return OllamaEmbeddingsResponse(embedding=result.vectors[0])
 

@@ -62,12 +62,26 @@ def check_num_inputs(num_inputs: int, param: str) -> None:
                           f"{MAX_INPUTS_PER_REQUEST} are allowed.", param, "invalid_value")
 
 
+def prompt_prefix(state: ServerState, prompt_name: str | None) -> str:
+    """The text put before each text input: the named sentence-transformers prompt, or
+    the model's default one ("" without); a 400 naming the model's prompts otherwise."""
+    prompts = state.embedding_prompts
+    name = prompt_name if prompt_name is not None else prompts.default_name
+    if name is None:
+        return ""
+    if name not in prompts.prompts:
+        known = ", ".join(sorted(prompts.prompts)) or "none"
+        raise bad_request(f"The model `{state.model_name}` has no prompt named {name!r} "
+                          f"(its prompts: {known}).", "prompt_name", "invalid_value")
+    return prompts.prompts[name]
+
+
 def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
-                    param: str = "input") -> list[list[int]]:
+                    param: str = "input", prefix: str = "") -> list[list[int]]:
     """Token ids of each input (a text, texts, ids or id lists); a 400 for an empty list,
     an empty input, too many inputs, or one longer than the context unless `truncate_to`
     (tokens) cuts its end (a text keeps its closing special token, as sentence-transformers
-    truncates)."""
+    truncates). `prefix` (a prompt_prefix) goes before each text, not before token ids."""
     if isinstance(inputs, str):
         inputs = [inputs]
     elif inputs and isinstance(inputs[0], int):
@@ -83,7 +97,7 @@ def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int
             if not item:
                 raise bad_request(f"Input {index} is an empty string.", param, "invalid_value")
             tokenizer_args = {"truncation": True, "max_length": limit} if truncate_to else {}
-            ids = list(state.tokenizer(item, **tokenizer_args).input_ids)
+            ids = list(state.tokenizer(prefix + item, **tokenizer_args).input_ids)
         else:
             ids = [int(t) for t in item]
             if not ids:
