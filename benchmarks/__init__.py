@@ -1,12 +1,12 @@
 """Benchmarks (commands: benchmarks/README.md).
 
-Kernels measured in this process run under the OpenMP settings the engine core runs under
-(engine/frontend/core_client.py): with spinning OpenMP threads, torch's own parallel ops
+Kernels measured in this process run under the OpenMP settings a decoder's engine core runs
+under (engine/openmp.py): with spinning OpenMP threads, torch's own parallel ops
 between two kernels (a bf16 -> float32 copy of more than 32,768 values, say) leave threads
 spinning that take the cores from the kernels' pool, and a few-row kernel measured up to
 twice its served time (docs/cpu-kernels.md). A value the user set is kept. Servers started
 by a benchmark get `server_environment()`: without that default, so that each engine core
-picks its own (an encoder's differs: core_client.core_openmp_env).
+picks its own (an encoder's differs: engine/openmp.py).
 """
 
 import os

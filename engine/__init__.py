@@ -1,6 +1,10 @@
 """pagedserve's engine: scheduler, paged KV cache, model runner and the offline API."""
 
-from engine.sampling_params import SamplingParams
+from engine import openmp
+
+openmp.set_process_default()  # before anything loads torch (engine/openmp.py)
+
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

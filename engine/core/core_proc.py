@@ -68,7 +68,7 @@ _EMPTY_STEP_WAIT_S = 0.005
 # thread sharing its core, and since every parallel region waits for its slowest
 # thread, a greedy request ran many times slower (docs/performance.md). The core's
 # threads follow the CPUs it may use (`configure_compute_threads`) and sleep at
-# barriers (OMP_WAIT_POLICY, set by the frontend in engine/frontend/core_client.py).
+# barriers (OpenMP's wait settings, chosen by engine/openmp.py before the core starts).
 
 
 def configure_compute_threads(requested: int | None = None) -> int:

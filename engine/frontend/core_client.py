@@ -37,6 +37,7 @@ from typing import Literal
 import zmq
 import zmq.asyncio
 
+from engine import openmp
 from engine.config import EngineConfig
 from engine.core.core import EngineCore
 from engine.core.core_proc import (
@@ -87,45 +88,35 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped working; no request can be served any more."""
 
 
-# An encoder's forward (BERT) is ~60 small torch ops, each an OpenMP region: waiters
-# that sleep at once pay a futex wake-up per region (a 3-token input 6.8 -> 4.0 ms, a
-# 73-token one 11.7 -> 6.5 ms over HTTP on a Zen 5 pair). A short spin (~10,000 polls,
-# well under a millisecond) bridges the gaps between ops and still sleeps when idle.
-ENCODER_SPIN_COUNT = "10000"
-
-
-def core_openmp_env(config: EngineConfig) -> dict[str, str]:
-    """The OpenMP settings the engine-core child starts with (it reads them when torch
-    loads); {} where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs are kept).
-
-    PASSIVE: a compute thread that waits at a barrier sleeps instead of spinning. With
-    another busy process on the machine (a client, a sidecar, a test), a spinning waiter
-    takes the CPU its partner needs to finish the region, and a request can take many
-    times longer (docs/performance.md, "Figures behind choices in the code"); decoders'
-    kernels run on their own pool (pagedserve_kernels/cpu/spin_pool.h). An encoder (all
-    torch ops) gets a short bounded spin instead (ENCODER_SPIN_COUNT)."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return {}
+def core_openmp_env(config: EngineConfig) -> dict[str, str | None]:
+    """Changes to the environment the engine-core child starts with (None: unset there),
+    read when its torch loads: engine/openmp.py's choice for the model's kind."""
     from engine.model_loader.pooling_config import is_torch_encoder
 
-    if is_torch_encoder(config.model_config.model):
-        return {"GOMP_SPINCOUNT": ENCODER_SPIN_COUNT}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return openmp.child_env(encoder=is_torch_encoder(config.model_config.model))
 
 
 def spawn_core_process(target, args: tuple) -> multiprocessing.process.BaseProcess:
     """Start the engine-core process (start method: spawn) running `target(*args)`, where
     args[0] is its EngineConfig, with `core_openmp_env`'s settings in its environment."""
     spawn = multiprocessing.get_context("spawn")
-    child_env = core_openmp_env(args[0])
+    changes = core_openmp_env(args[0])
+    saved = {name: os.environ.get(name) for name in changes}
     process = spawn.Process(target=target, args=args, name="EngineCore")
-    os.environ.update(child_env)  # spawn copies the environment at start()
+    _set_environment(changes)  # spawn copies the environment at start()
     try:
         process.start()
     finally:
-        for name in child_env:
-            os.environ.pop(name, None)
+        _set_environment(saved)
     return process
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _pin_frontend(config: EngineConfig) -> None:

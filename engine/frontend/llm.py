@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine import openmp
 from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
 from engine.frontend.output_processor import OutputProcessor
@@ -59,6 +60,7 @@ class LLM:
             raise TypeError(f"LLM() {exc}") from None
         from engine.model_loader import resolve_model
 
+        openmp.warn_if_too_late()
         resolved = resolve_model(model, mmproj=options.get("mmproj"))
         self.model_dir = resolved.path
         config = EngineConfig.from_options(str(resolved.path), **options)
