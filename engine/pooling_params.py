@@ -41,6 +41,9 @@ class PoolingParams:
     normalize: bool = True
     dimensions: int | None = None  # keep the first N values (before normalizing); None: all
     token_type_start: int | None = None  # a pair's second segment starts here (token type 1)
+    # Mean pooling leaves out the first N tokens: a sentence-transformers prompt the model's
+    # Pooling excludes (include_prompt false), with the [CLS] before it.
+    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

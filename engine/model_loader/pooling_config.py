@@ -79,6 +79,7 @@ class EmbeddingPrompts:
 
     prompts: dict[str, str]
     default_name: str | None = None
+    pooled: bool = True  # the Pooling module's include_prompt: false leaves prompts out
 
 
 def read_embedding_prompts(model_dir: str | Path) -> EmbeddingPrompts:
@@ -89,7 +90,13 @@ def read_embedding_prompts(model_dir: str | Path) -> EmbeddingPrompts:
     prompts = config.get("prompts") if isinstance(config.get("prompts"), dict) else {}
     prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
     default = config.get("default_prompt_name")
-    return EmbeddingPrompts(prompts, default if default in prompts else None)
+    modules = _read_json(Path(model_dir) / "modules.json")
+    pooling = next((m for m in modules if isinstance(m, dict) and str(m.get("type", "")
+                    ).endswith("Pooling")), None) if isinstance(modules, list) else None
+    flags = _read_json(Path(model_dir) / pooling.get("path", "") / "config.json") \
+        if pooling else None
+    pooled = flags.get("include_prompt", True) if isinstance(flags, dict) else True
+    return EmbeddingPrompts(prompts, default if default in prompts else None, bool(pooled))
 
 
 def is_torch_encoder(model: str | Path) -> bool:

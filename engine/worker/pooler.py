@@ -29,7 +29,9 @@ def pool_rows(model: nn.Module, hidden_states: torch.Tensor, start: int, end: in
         return model.classify(hidden_states[row:row + 1])[0].tolist()
     rows = hidden_states[start:end].float()
     if params.pooling_type == "mean":
-        vector = rows.mean(dim=0)
+        # A prompt left out of the pooling (sentence-transformers masks its positions;
+        # an input that is all prompt pools to zeros there, here to its last row).
+        vector = rows[min(params.prompt_tokens, len(rows) - 1):].mean(dim=0)
     elif params.pooling_type == "cls":
         vector = rows[0]
     else:  # "last"

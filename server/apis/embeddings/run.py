@@ -76,6 +76,19 @@ def prompt_prefix(state: ServerState, prompt_name: str | None) -> str:
     return prompts.prompts[name]
 
 
+def pooling_with_prompt(state: ServerState, params: PoolingParams, prefix: str,
+                        inputs: str | Sequence) -> PoolingParams:
+    """`params` for text inputs after `prefix`: where the model's Pooling leaves prompts out
+    (include_prompt false), mean pooling skips the prompt's tokens less its closing special
+    token, as sentence-transformers counts them."""
+    texts = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], str))
+    if not prefix or not texts or state.embedding_prompts.pooled or \
+            params.pooling_type != "mean":
+        return params
+    return dataclasses.replace(params,
+                               prompt_tokens=len(state.tokenizer(prefix).input_ids) - 1)
+
+
 def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
                     param: str = "input", prefix: str = "") -> list[list[int]]:
     """Token ids of each input (a text, texts, ids or id lists); a 400 for an empty list,
