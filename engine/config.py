@@ -159,6 +159,14 @@ HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3
                     "method", "use_pad_token")
 
 
+def scores_from_two_tokens(values: Mapping[str, Any] | Any) -> bool:
+    """Whether a config (a dict, or a transformers config) asks for a causal LM's two
+    tokens' logits as its score: vLLM's is_original_qwen3_reranker, or its method
+    from_2_way_softmax."""
+    get = values.get if isinstance(values, Mapping) else (lambda k: getattr(values, k, None))
+    return bool(get("is_original_qwen3_reranker")) or get("method") == "from_2_way_softmax"
+
+
 def check_hf_overrides(value: Mapping[str, Any]) -> None:
     """ValueError naming what is wrong with --hf-overrides' object: a key other than
     HF_OVERRIDE_KEYS, or a value of the wrong kind."""
@@ -180,8 +188,7 @@ def check_hf_overrides(value: Mapping[str, Any]) -> None:
             raise ValueError(f"--hf-overrides: {key} must be true or false")
     if value.get("method", "from_2_way_softmax") != "from_2_way_softmax":
         raise ValueError("--hf-overrides: method may only be from_2_way_softmax")
-    two_way = value.get("is_original_qwen3_reranker") or "method" in value
-    if two_way and tokens is None:
+    if scores_from_two_tokens(value) and tokens is None:
         raise ValueError('--hf-overrides: a reranker scored from two tokens\' logits needs '
                          'classifier_from_token (Qwen3-Reranker: ["no", "yes"])')
 

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.model_loader.gguf_file import GGUFFile, UnsupportedGGUFError
+from engine.model_loader.pooling_config import POOLING_MODE_FLAGS
 
 BERT_ARCHITECTURES = ("bert",)
 PHANTOM_SPACE = "\u2581"
@@ -42,8 +43,6 @@ CONTINUING_PREFIX = "##"
 _CONTROL, _USER_DEFINED = 3, 4
 # llama.cpp's llama_pooling_type -> ours (0 none and 4 rank are refused)
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
-_POOLING_FLAGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
-                  "last": "pooling_mode_lasttoken"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "embeddings.word_embeddings.weight",
@@ -189,7 +188,7 @@ def save_pooling(gguf: GGUFFile, out_dir: Path) -> None:
     ]
     (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
     (out_dir / "1_Pooling").mkdir()
-    flags = {flag: mode == pooling for mode, flag in _POOLING_FLAGS.items()}
+    flags = {flag: mode == pooling for flag, mode in POOLING_MODE_FLAGS}
     config = {"word_embedding_dimension": _required(gguf, "embedding_length"), **flags}
     (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
 

@@ -18,13 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def scores_from_two_tokens(values: dict[str, Any] | Any) -> bool:
-    """Whether a config (a dict, or a transformers config) asks for a causal LM's two
-    tokens' logits as its score: vLLM's is_original_qwen3_reranker, or its method
-    from_2_way_softmax."""
-    get = values.get if isinstance(values, dict) else (lambda k: getattr(values, k, None))
-    return bool(get("is_original_qwen3_reranker")) or get("method") == "from_2_way_softmax"
+from engine.config import scores_from_two_tokens
 
 
 def load_hf_config(model_dir: str | Path, hf_overrides: dict[str, Any] | None = None):

@@ -40,7 +40,7 @@ POOLING_ARCHITECTURES = frozenset({"BertModel", "XLMRobertaModel",
 _ENCODER_ARCHITECTURES = POOLING_ARCHITECTURES - DECODER_RERANKER_ARCHITECTURES
 
 # 1_Pooling/config.json's flags -> our pooling type (the first one set wins).
-_MODES = (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+POOLING_MODE_FLAGS = (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
           ("pooling_mode_lasttoken", "last"))
 
 
@@ -71,6 +71,23 @@ def _architectures(model_dir: str | Path, hf_overrides: dict[str, Any] | None = 
     return set(_model_config(model_dir, hf_overrides).get("architectures") or [])
 
 
+def _sbert_modules(model_dir: Path) -> dict[str, dict] | None:
+    """modules.json's modules by their type's last name ({"Pooling": {"path": "1_Pooling",
+    ...}, "Normalize": ...}); None without a readable modules.json."""
+    modules = _read_json(model_dir / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    return {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+
+
+def _pooling_module_config(model_dir: Path, modules: dict[str, dict] | None) -> dict:
+    """The Pooling module's config.json (1_Pooling/config.json), {} without one."""
+    if not modules or "Pooling" not in modules:
+        return {}
+    flags = _read_json(model_dir / modules["Pooling"].get("path", "") / "config.json")
+    return flags if isinstance(flags, dict) else {}
+
+
 @dataclass(frozen=True)
 class EmbeddingPrompts:
     """config_sentence_transformers.json's prompts: text put before an input, by name
@@ -90,13 +107,10 @@ def read_embedding_prompts(model_dir: str | Path) -> EmbeddingPrompts:
     prompts = config.get("prompts") if isinstance(config.get("prompts"), dict) else {}
     prompts = {str(k): v for k, v in prompts.items() if isinstance(v, str)}
     default = config.get("default_prompt_name")
-    modules = _read_json(Path(model_dir) / "modules.json")
-    pooling = next((m for m in modules if isinstance(m, dict) and str(m.get("type", "")
-                    ).endswith("Pooling")), None) if isinstance(modules, list) else None
-    flags = _read_json(Path(model_dir) / pooling.get("path", "") / "config.json") \
-        if pooling else None
-    pooled = flags.get("include_prompt", True) if isinstance(flags, dict) else True
-    return EmbeddingPrompts(prompts, default if default in prompts else None, bool(pooled))
+    model_dir = Path(model_dir)
+    flags = _pooling_module_config(model_dir, _sbert_modules(model_dir))
+    return EmbeddingPrompts(prompts, default if default in prompts else None,
+                            bool(flags.get("include_prompt", True)))
 
 
 def is_torch_encoder(model: str | Path) -> bool:
@@ -107,7 +121,7 @@ def is_torch_encoder(model: str | Path) -> bool:
     if path.suffix == ".gguf" and path.is_file():
         from engine.model_loader.gguf_file import GGUFFile
 
-        try:
+        try:  # gguf_bert.is_bert's test (that module imports this one)
             return GGUFFile(path).metadata.get("general.architecture") == "bert"
         except ValueError:
             return False
@@ -124,22 +138,18 @@ def read_pooling_config(model_dir: str | Path,
         return PoolingConfig(PoolingParams("classify", normalize=False))
     sbert = _read_json(model_dir / "sentence_bert_config.json")
     max_seq_length = sbert.get("max_seq_length") if isinstance(sbert, dict) else None
-    modules = _read_json(model_dir / "modules.json")
+    types = _sbert_modules(model_dir)
     default_type = "cls" if architectures & _ENCODER_ARCHITECTURES else "last"
-    if not isinstance(modules, list):
+    if types is None:
         return PoolingConfig(PoolingParams(default_type, normalize=True), max_seq_length)
-    types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
-    pooling_type = default_type
-    if "Pooling" in types:
-        flags = _read_json(model_dir / types["Pooling"].get("path", "") / "config.json") or {}
-        chosen = [ours for flag, ours in _MODES if flags.get(flag)]
-        unsupported = [flag for flag in ("pooling_mode_max_tokens",
-                                         "pooling_mode_mean_sqrt_len_tokens") if flags.get(flag)]
-        if unsupported or len(chosen) > 1:
-            raise ValueError(f"{model_dir}: pooling {', '.join(unsupported) or chosen} is not "
-                             "supported (mean, cls or last token)")
-        if chosen:
-            pooling_type = chosen[0]
+    flags = _pooling_module_config(model_dir, types)
+    chosen = [ours for flag, ours in POOLING_MODE_FLAGS if flags.get(flag)]
+    unsupported = [flag for flag in ("pooling_mode_max_tokens",
+                                     "pooling_mode_mean_sqrt_len_tokens") if flags.get(flag)]
+    if unsupported or len(chosen) > 1:
+        raise ValueError(f"{model_dir}: pooling {', '.join(unsupported) or chosen} is not "
+                         "supported (mean, cls or last token)")
+    pooling_type = chosen[0] if chosen else default_type
     return PoolingConfig(PoolingParams(pooling_type, normalize="Normalize" in types),
                          max_seq_length if isinstance(max_seq_length, int) else None)
 
