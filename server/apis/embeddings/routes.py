@@ -40,8 +40,7 @@ from server.apis.embeddings.run import (
     check_serves_embeddings,
     embed,
     pooling_params_for,
-    pooling_with_prompt,
-    prompt_prefix,
+    prompted_inputs,
     tokenize_inputs,
 )
 from server.apis.ollama.protocol import OllamaError
@@ -142,9 +141,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         check_serves_embeddings(state)
         params = pooling_params_for(state, body.dimensions)
         truncate = _truncation(state, body.truncate_prompt_tokens, "truncate_prompt_tokens")
-        prefix = prompt_prefix(state, body.prompt_name)
-        token_lists = tokenize_inputs(state, body.input, truncate, prefix=prefix)
-        params = pooling_with_prompt(state, params, prefix, body.input)
+        token_lists, params = prompted_inputs(state, body.input, truncate, params,
+                                              body.prompt_name)
         result = await embed(state, token_lists, params, "embd")
         encode = base64_vector if body.encoding_format == "base64" else (lambda v: v)
         return EmbeddingResponse(
@@ -211,11 +209,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         served_name(state, body.model)
         check_serves_embeddings(state)
         params = pooling_params_for(state, body.dimensions)
-        prefix = prompt_prefix(state, None)
-        token_lists = tokenize_inputs(state, body.input,
-                                      state.max_model_len if body.truncate else None,
-                                      prefix=prefix)
-        params = pooling_with_prompt(state, params, prefix, body.input)
+        token_lists, params = prompted_inputs(
+            state, body.input, state.max_model_len if body.truncate else None, params)
         result = await embed(state, token_lists, params, "ollama-embed")
         return OllamaEmbedResponse(model=body.model, embeddings=result.vectors,
                                    total_duration=time.perf_counter_ns() - start,
@@ -227,10 +222,8 @@ def install_routes(app: FastAPI, state: ServerState, auth: list) -> None:
         """Ollama's older endpoint: one prompt, one vector (cut to fit the context)."""
         served_name(state, body.model)
         check_serves_embeddings(state)
-        prefix = prompt_prefix(state, None)
-        token_lists = tokenize_inputs(state, body.prompt, state.max_model_len, "prompt",
-                                      prefix=prefix)
-        params = pooling_with_prompt(state, state.pooling, prefix, body.prompt)
+        token_lists, params = prompted_inputs(state, body.prompt, state.max_model_len,
+                                              state.pooling, param="prompt")
         result = await embed(state, token_lists, params, "ollama-embeddings")
         return OllamaEmbeddingsResponse(embedding=result.vectors[0])
 

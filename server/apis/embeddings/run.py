@@ -76,17 +76,21 @@ def prompt_prefix(state: ServerState, prompt_name: str | None) -> str:
     return prompts.prompts[name]
 
 
-def pooling_with_prompt(state: ServerState, params: PoolingParams, prefix: str,
-                        inputs: str | Sequence) -> PoolingParams:
-    """`params` for text inputs after `prefix`: where the model's Pooling leaves prompts out
-    (include_prompt false), mean pooling skips the prompt's tokens less its closing special
-    token, as sentence-transformers counts them."""
-    texts = isinstance(inputs, str) or (bool(inputs) and isinstance(inputs[0], str))
-    if not prefix or not texts or state.embedding_prompts.pooled or \
-            params.pooling_type != "mean":
-        return params
-    return dataclasses.replace(params,
-                               prompt_tokens=len(state.tokenizer(prefix).input_ids) - 1)
+def prompted_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
+                    params: PoolingParams, prompt_name: str | None = None,
+                    param: str = "input") -> tuple[list[list[int]], PoolingParams]:
+    """tokenize_inputs with the model's prompt (prompt_prefix) before each text, and the
+    pooling for them: where the model's Pooling leaves prompts out (include_prompt false),
+    mean pooling skips the prompt's tokens less its closing special token, as
+    sentence-transformers counts them."""
+    prefix = prompt_prefix(state, prompt_name)
+    token_lists = tokenize_inputs(state, inputs, truncate_to, param, prefix)
+    texts = isinstance(inputs, str) or isinstance(inputs[0], str)  # not empty: checked
+    if prefix and texts and not state.embedding_prompts.pooled and \
+            params.pooling_type == "mean":
+        params = dataclasses.replace(
+            params, prompt_tokens=len(state.tokenizer(prefix).input_ids) - 1)
+    return token_lists, params
 
 
 def tokenize_inputs(state: ServerState, inputs: str | Sequence, truncate_to: int | None,
