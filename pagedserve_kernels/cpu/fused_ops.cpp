@@ -217,7 +217,7 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
         const scalar_t* u = g + inner;
         scalar_t* o = op + r * os;
         // 256 values at a time: silu in float32, rounded to the dtype (store_floats:
-        // round to nearest even, vectorized), times up, rounded again.
+        // round to nearest even, vectorized; a copy for float32), times up, rounded again.
         float buffer[kSiluBlock];
         scalar_t rounded[kSiluBlock];
         for (int64_t block = 0; block < inner; block += kSiluBlock) {
@@ -232,21 +232,13 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
             const float gate = static_cast<float>(g[block + i]);
             buffer[i] = gate / (1.f + std::exp(-gate));
           }
-          if constexpr (!std::is_same_v<scalar_t, float>) {
-            store_floats(buffer, rounded, n);
-            for (i = 0; i + 8 <= n; i += 8) {
-              const vec8 product = load8(rounded + i) * load8(u + block + i);
-              std::memcpy(buffer + i, &product, sizeof product);
-            }
-            for (; i < n; ++i)
-              buffer[i] = static_cast<float>(rounded[i]) * static_cast<float>(u[block + i]);
-          } else {
-            for (i = 0; i + 8 <= n; i += 8) {
-              const vec8 product = load8(buffer + i) * load8(u + block + i);
-              std::memcpy(buffer + i, &product, sizeof product);
-            }
-            for (; i < n; ++i) buffer[i] *= u[block + i];
+          store_floats(buffer, rounded, n);
+          for (i = 0; i + 8 <= n; i += 8) {
+            const vec8 product = load8(rounded + i) * load8(u + block + i);
+            std::memcpy(buffer + i, &product, sizeof product);
           }
+          for (; i < n; ++i)
+            buffer[i] = static_cast<float>(rounded[i]) * static_cast<float>(u[block + i]);
           store_floats(buffer, o + block, n);
         }
       }
