@@ -49,7 +49,7 @@ from benchmarks.compare_servers import (
     stop,
     wait_until_ready,
 )
-from benchmarks.embeddings import make_sentences, minilm_dir
+from benchmarks.embeddings import lowest_cosine, make_sentences, minilm_dir
 from benchmarks.peers.llamacpp_convert import convert
 from benchmarks.peers.make_bench_gguf import DEFAULT_TREE
 
@@ -107,11 +107,6 @@ def embed_all(client: httpx.Client, base_url: str, model: str, sentences: list[s
         data = sorted(response.json()["data"], key=lambda d: d["index"])
         vectors.extend(d["embedding"] for d in data)
     return np.asarray(vectors, dtype=np.float32)
-
-
-def lowest_cosine(ours: np.ndarray, reference: np.ndarray) -> float:
-    dots = (ours * reference).sum(1)
-    return float((dots / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)).min())
 
 
 def throughput(args: argparse.Namespace, name: str, model: Path, sentences: list[str],
