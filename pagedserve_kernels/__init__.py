@@ -17,6 +17,8 @@ What each is tested against (its reference), and where:
   tests/kernels/test_lora_sgmv.py (the interpreter without CUDA).
 * C++ ``paged_attention.cpp``: ``pagedserve_kernels.reference.paged_attention_ref``; tests/kernels/test_attention_kernels.py,
   test_paged_attention_isa.py, test_sliding_window_kernels.py, test_softcap_kernels.py.
+* C++ ``prefill_attention.cpp``: a float64 causal softmax and torch's bf16 SDPA beside it;
+  tests/kernels/test_prefill_attention.py.
 * C++ ``quant_linear.cpp``, ``quant_blocked.cpp``: ``pagedserve_kernels.reference.quant_linear_ref``;
   tests/kernels/test_quant.py, test_int4_blocked_isa.py.
 * C++ ``gguf_linear.cpp``: gguf-py's ``dequantize`` and a float64 matmul; tests/kernels/test_gguf_kernels.py.

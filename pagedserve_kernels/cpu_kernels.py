@@ -5,6 +5,8 @@
   pure-torch path must first gather each request's blocks into a dense copy: at
   batch 64 and ~500-token contexts that gather moves more bytes per step than the
   attention itself reads.
+- `pagedserve_kernels/cpu/prefill_attention.cpp`: causal attention of long bfloat16 prompt
+  chunks with AVX512-BF16 dot products (torch's CPU flash kernel computes them in float32).
 - `pagedserve_kernels/cpu/quant_linear.cpp`: int4/int8 weight-only linears in groups of 32
   (`quant_blocked.cpp`: int4/int8 in blocks of 16 output rows, the layout for wide batches)
   with float16 scales (GGUF Q4_0/Q4_1/Q8_0 exactly), for small decode batches.
@@ -45,7 +47,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name
-           for name in ("paged_attention.cpp", "quant_linear.cpp", "quant_blocked.cpp", "gguf_linear.cpp",
+           for name in ("paged_attention.cpp", "prefill_attention.cpp", "quant_linear.cpp", "quant_blocked.cpp", "gguf_linear.cpp",
                         "fused_ops.cpp", "decoder_stack.cpp", "lora.cpp", "bindings.cpp")]
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # the sizes the C++ code is instantiated for
 _UNSET = object()
@@ -70,6 +72,23 @@ def paged_attention_kernel() -> Callable[..., None] | None:
     """
     module = cpu_kernels()
     return None if module is None else module.paged_attention
+
+
+PREFILL_HEAD_SIZES = (64, 128, 256)  # prefill_attention.cpp's instantiations
+_prefill: object = _UNSET
+
+
+def prefill_attention_kernel() -> Callable[..., None] | None:
+    """`fn(out, query, key, value, scale)`: causal bfloat16 attention of the last L of S
+    positions (out/query [L, Hq, D], key/value [Hkv, S, D], last dims contiguous, D in
+    PREFILL_HEAD_SIZES), or None where the build has no AVX512-BF16 code (or no build).
+    Decided once per process."""
+    global _prefill
+    if _prefill is _UNSET:
+        module = cpu_kernels()
+        _prefill = (module.prefill_attention
+                    if module is not None and module.prefill_attention_available() else None)
+    return _prefill
 
 
 def fused_ops_for(tensor) -> object | None:

@@ -17,6 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("kv_cache"), py::arg("block_table"),
         py::arg("row_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window") = 0);
+  m.def("prefill_attention", &prefill_attention, py::call_guard<py::gil_scoped_release>(),
+        "Causal attention of the last L of S positions in bfloat16 (AVX512-BF16): "
+        "out/query [L, Hq, D], key/value [Hkv, S, D].",
+        py::arg("out"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("scale"));
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "Whether this build has prefill_attention's AVX512-BF16 code.");
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),

