@@ -15,23 +15,13 @@ and the largest difference between the two outputs.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from benchmarks.compare_servers import cpu_flags
+from benchmarks.gguf_linears import best_ms
 from engine.attention.backends import torch_backend
 from pagedserve_kernels.cpu_kernels import prefill_attention_kernel
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def attend(q, k, v, scores, kernel) -> torch.Tensor:
