@@ -33,6 +33,7 @@
 // are rounded to bf16 before the value sums (torch keeps them in float32), which moves
 // an output by about one bf16 step. Head sizes: multiples of 32 up to 256.
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "spin_pool.h"
@@ -88,7 +90,7 @@ inline __m512bh pair_broadcast(uint32_t pair) {
 }
 
 struct Shapes {
-  int64_t L, S, Hq, Hkv, G, D, blocks;
+  int64_t L, S, Hkv, G, D, blocks;
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   int64_t k_head_stride, k_token_stride, v_head_stride, v_token_stride;
   float scale;
@@ -249,23 +251,26 @@ void run_item(const Shapes& s, const uint16_t* q, uint16_t* out, const uint32_t*
 template <int D>
 void run(const Shapes& s, const uint16_t* q, uint16_t* out, const uint16_t* k, const uint16_t* v) {
   const int64_t block_words = kBlockKeys * D / 2;
-  std::vector<uint32_t> kp(s.Hkv * s.blocks * block_words), vp(kp.size());
+  // Not zeroed: pack_block writes every word (zeros past S itself).
+  const std::unique_ptr<uint32_t[]> kp(new uint32_t[s.Hkv * s.blocks * block_words]);
+  const std::unique_ptr<uint32_t[]> vp(new uint32_t[s.Hkv * s.blocks * block_words]);
   pagedserve::parallel_for(0, s.Hkv * s.blocks, 8, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t head = item / s.blocks, block = item % s.blocks;
-      pack_block(s, k, v, head, block, kp.data() + item * block_words,
-                 vp.data() + item * block_words);
+      pack_block(s, k, v, head, block, kp.get() + item * block_words,
+                 vp.get() + item * block_words);
     }
   });
-  // Largest first: item 0 is the last 32 positions of head 0, then of head 1, ...
+  // Largest first: item 0 is the last 32 positions of head 0, then of head 1, ... Each
+  // thread (one range each) takes the next item until none are left.
   const int64_t chunks = (s.L + kItemPositions - 1) / kItemPositions;
   const int64_t items = chunks * s.Hkv;
   std::atomic<int64_t> next{0};
-  pagedserve::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+  pagedserve::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     ItemState st;
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t chunk = chunks - 1 - item / s.Hkv, head = item % s.Hkv;
-      run_item<D>(s, q, out, kp.data(), vp.data(), head, chunk * kItemPositions, st);
+      run_item<D>(s, q, out, kp.get(), vp.get(), head, chunk * kItemPositions, st);
     }
   });
 }
@@ -292,7 +297,7 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key, at::Ten
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "prefill_attention: head size 64, 128 or 256");
   if (L == 0) return;
 #ifdef PAGEDSERVE_PREFILL_BF16
-  Shapes s{L, S, Hq, Hkv, Hq / Hkv, D, (S + kBlockKeys - 1) / kBlockKeys,
+  Shapes s{L, S, Hkv, Hq / Hkv, D, (S + kBlockKeys - 1) / kBlockKeys,
            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
            static_cast<float>(scale)};

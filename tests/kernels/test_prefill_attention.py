@@ -102,9 +102,9 @@ def test_bad_inputs_raise_before_any_work():
         kernel(q, q, kv[:, :2], kv[:, :2], 0.125)
 
 
-def test_backend_takes_the_kernel_for_bfloat16_chunks(monkeypatch):
-    """_causal_attention (the SDPA prefill path) calls the kernel for a bfloat16 chunk after
-    cached context and for a fresh prompt, and keeps torch's kernel for float32."""
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[torch.Size]:
+    """The query shape of each call the backend makes to the kernel from now on."""
     calls = []
     kernel = prefill_attention_kernel()
 
@@ -113,6 +113,12 @@ def test_backend_takes_the_kernel_for_bfloat16_chunks(monkeypatch):
         kernel(*args)
 
     monkeypatch.setattr(torch_backend, "prefill_attention_kernel", lambda: counting)
+    return calls
+
+
+def test_backend_takes_the_kernel_for_bfloat16_chunks(kernel_calls):
+    """_causal_attention (the SDPA prefill path) calls the kernel for a bfloat16 chunk after
+    cached context and for a fresh prompt, and keeps torch's kernel for float32."""
     gen = torch.Generator().manual_seed(3)
     scores = torch_backend.Scores(0.125)
     for query_len, seq_len in [(200, 200), (90, 333)]:
@@ -123,10 +129,10 @@ def test_backend_takes_the_kernel_for_bfloat16_chunks(monkeypatch):
         torch.testing.assert_close(out.double(), causal_reference(q, k, v, 0.125),
                                    atol=2e-2, rtol=2e-2)
         torch_backend._causal_attention(q.float(), k.float(), v.float(), scores)
-    assert calls == [(200, 8, 64), (90, 8, 64)]
+    assert kernel_calls == [(200, 8, 64), (90, 8, 64)]
 
 
-def test_bfloat16_model_long_chunked_prompts_match_transformers(tmp_path, monkeypatch):
+def test_bfloat16_model_long_chunked_prompts_match_transformers(tmp_path, kernel_calls):
     """A bfloat16 Llama (head size 64) on prompts of up to 300 tokens in chunks of up to 128
     (so after the first chunk each attends over cached context): the kernel runs and the
     greedy tokens match transformers' float32 ones under the near-tie rule."""
@@ -135,17 +141,9 @@ def test_bfloat16_model_long_chunked_prompts_match_transformers(tmp_path, monkey
     from tests.support.hf_reference import assert_greedy_matches
     from tests.support.model_fixtures import build_tiny_checkpoint
 
-    calls = []
-    kernel = prefill_attention_kernel()
-
-    def counting(*args):
-        calls.append(args[1].shape[0])
-        kernel(*args)
-
-    monkeypatch.setattr(torch_backend, "prefill_attention_kernel", lambda: counting)
     model_dir = build_tiny_checkpoint(tmp_path, "llama", head_dim=64, max_position_embeddings=512)
     prompts = make_prompts(seed=11)
     llm = LLM(model_dir, dtype="bfloat16", max_model_len=512, max_num_batched_tokens=128)
     ours = generate_ids(llm, prompts, GREEDY)
-    assert calls and max(calls) > 64
+    assert kernel_calls and max(shape[0] for shape in kernel_calls) > 64
     assert_greedy_matches(ours, hf_reference(model_dir, prompts))

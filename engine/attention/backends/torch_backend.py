@@ -392,13 +392,15 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
                                 q1 ->  1 1 1 1 0
                                 q2 ->  1 1 1 1 1
 
-    KV heads are expanded to the query heads and inputs made 4-D: that is what lets
-    SDPA take its fused CPU kernel instead of the slower math path.
+    bfloat16 on a CPU with AVX512-BF16 (no span, window or softcap) takes
+    prefill_attention.cpp. Otherwise KV heads are expanded to the query heads and inputs
+    made 4-D: that is what lets SDPA take its fused CPU kernel instead of the slower math path.
     """
     query_len, seq_len = q.shape[0], k.shape[1]
-    if (q.dtype == torch.bfloat16 and q.device.type == "cpu" and not scores.softcap
-            and not spans and (sliding_window is None or sliding_window >= seq_len)
-            and q.shape[-1] in PREFILL_HEAD_SIZES):
+    # Every query sees every earlier key: no span, no window that cuts the context.
+    plain_causal = not spans and (sliding_window is None or sliding_window >= seq_len)
+    if (plain_causal and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and not scores.softcap and q.shape[-1] in PREFILL_HEAD_SIZES):
         kernel = prefill_attention_kernel()
         if kernel is not None:  # AVX512-BF16: ~3x torch's flash kernel at 2,048 tokens
             out = torch.empty_like(q)
@@ -409,11 +411,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scores:
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.repeat_interleave(group, dim=0).unsqueeze(0)
     vh = v.repeat_interleave(group, dim=0).unsqueeze(0)
-    if (query_len == seq_len and (sliding_window is None or sliding_window >= seq_len)
-            and not spans):
+    if plain_causal and query_len == seq_len:
         result = scores.attend(qh, kh, vh, is_causal=True)
-    elif (not scores.softcap and not spans and q.device.type == "cpu"
-          and (sliding_window is None or sliding_window >= seq_len)):
+    elif plain_causal and not scores.softcap and q.device.type == "cpu":
         result = _attend_past_then_causal(qh, kh, vh, scores.scale)
     else:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
