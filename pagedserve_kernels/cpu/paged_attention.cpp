@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp_poly.h"
 #include "kv_int8_rows.h"
 #include "spin_pool.h"
 #include "vec8.h"
@@ -65,16 +66,17 @@ inline vec8 exp8(vec8 x) {
   typedef int32_t ivec8 __attribute__((vector_size(32)));
   const vec8 lowest = vec8{} - 87.3f;
   x = x < lowest ? lowest : x;
-  const vec8 scaled = x * 1.44269504088896341f + 0.5f;
+  using namespace pagedserve::exp_poly;
+  const vec8 scaled = x * kLog2E + 0.5f;
   ivec8 n = __builtin_convertvector(scaled, ivec8);       // truncates toward zero:
   n += (__builtin_convertvector(n, vec8) > scaled);       // -1 where that was not the floor
   const vec8 nf = __builtin_convertvector(n, vec8);
-  const vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const vec8 r = x - nf * kLn2High - nf * kLn2Low;
+  vec8 p = r * kE6 + kE5;
+  p = p * r + kE4;
+  p = p * r + kE3;
+  p = p * r + kE2;
+  p = p * r + kE1;
   p = p * (r * r) + r + 1.f;
   vec8 two_n;
   const ivec8 bits = (n + 127) << 23;

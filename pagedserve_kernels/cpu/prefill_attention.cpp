@@ -45,6 +45,7 @@
 #include <memory>
 #include <vector>
 
+#include "exp_poly.h"
 #include "spin_pool.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -68,19 +69,20 @@ constexpr int kItemPositions = 32;  // query positions per work item
 constexpr int kTileRows = 8;     // score rows per register tile
 
 // e^x lane by lane; 0 where x < -87 (so a masked -inf score weighs exactly 0):
-// x = n ln 2 + r, e^r by a degree-6 polynomial, times 2^n.
+// x = n ln 2 + r, e^r by exp_poly.h's polynomial, times 2^n.
 inline __m512 exp512(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using namespace pagedserve::exp_poly;
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(kE6), _mm512_set1_ps(kE5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kE4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kE3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kE2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kE1));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
