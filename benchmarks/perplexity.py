@@ -21,7 +21,9 @@ packed weights are the same):
   (PAGEDSERVE_QUANT_MAX_ROWS large) with activations rounded to that precision per group
   (PAGEDSERVE_ACTIVATION_PRECISION): the arithmetic a decode step runs, on every token.
 
-`--kv-cache-dtypes auto int8` runs each mode over each KV-cache dtype. A prompt computed in
+`--prefill-attention kernel torch` (with `--dtype bfloat16`) runs each mode twice: long chunks
+attending in prefill_attention.cpp (the default where the CPU has AVX512-BF16), then in
+torch's flash kernel. `--kv-cache-dtypes auto int8` runs each mode over each KV-cache dtype. A prompt computed in
 one step attends over its own unrounded keys and values (SDPA), so for the cache's rounding to
 count the chunks are then prefilled `--prefill-chunk` tokens a step (default 32 with a
 non-auto dtype): each step's rows read the cache, as decode steps do.
@@ -93,14 +95,18 @@ def tokenize(tokenizer, text: str) -> tuple[list[int], int | None]:
 
 def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
              dtype: str, kv_cache_dtype: str = "auto",
-             prefill_chunk: int | None = None) -> Perplexity:
+             prefill_chunk: int | None = None, prefill_attention: str = "kernel") -> Perplexity:
     import pagedserve_kernels.cpu_kernels as ck
     from engine import LLM, SamplingParams
+    from engine.attention.backends import torch_backend
 
     os.environ["PAGEDSERVE_QUANT_MAX_ROWS"] = "0" if mode == "float32" else str(ALL_ROWS)
     if mode != "float32":
         os.environ[ck.ACTIVATION_PRECISION_ENV] = mode
         ck.set_activation_precision(mode)
+    # The engine runs in this process: "torch" hides the bf16 kernel from the backend.
+    torch_backend.prefill_attention_kernel = (
+        ck.prefill_attention_kernel if prefill_attention == "kernel" else lambda: None)
     start = time.perf_counter()
     chunked = {} if prefill_chunk is None else {"max_num_batched_tokens": prefill_chunk}
     llm = LLM(model, dtype=dtype, max_model_len=ctx + 16, kv_cache_memory="512M",
@@ -115,6 +121,8 @@ def run_mode(mode: str, model: str | None, chunks: list[list[int]], ctx: int,
         llm.shutdown()
     value, stderr = perplexity_of(logprobs)
     label = mode if kv_cache_dtype == "auto" else f"{mode}/kv-{kv_cache_dtype}"
+    if prefill_attention != "kernel":
+        label += f"/{prefill_attention}-attention"
     return Perplexity(label, value, stderr, len(logprobs), time.perf_counter() - start)
 
 
@@ -131,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="tokens prefilled a step (default: the engine's; 32 where a "
                              "--kv-cache-dtypes value is not auto)")
+    parser.add_argument("--prefill-attention", nargs="+", choices=("kernel", "torch"),
+                        default=["kernel"], help="long chunks' attention: the bf16 kernel "
+                        "where the CPU has it, or torch's flash kernel (each mode runs each)")
     args = parser.parse_args(argv)
     prefill_chunk = args.prefill_chunk
     if prefill_chunk is None and any(d != "auto" for d in args.kv_cache_dtypes):
@@ -151,8 +162,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.ctx}, second halves scored), {args.dtype}")
     if prefill_chunk is not None:
         print(f"prefilled {prefill_chunk} tokens a step: every scored row reads the KV cache")
-    results = [run_mode(mode, args.model, chunks, args.ctx, args.dtype, kv, prefill_chunk)
-               for mode in args.modes for kv in args.kv_cache_dtypes]
+    results = [run_mode(mode, args.model, chunks, args.ctx, args.dtype, kv, prefill_chunk,
+                        attention)
+               for mode in args.modes for kv in args.kv_cache_dtypes
+               for attention in args.prefill_attention]
     base = results[0]
     for r in results:
         print(f"{r.mode:>8}  PPL = {r.value:.4f} +/- {r.stderr:.4f}  ({r.num_scored} tokens, "
