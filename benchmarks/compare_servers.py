@@ -241,7 +241,8 @@ def warmed_server(args: argparse.Namespace, name: str, model_dir: str,
         try:
             wait_until_ready(base_url, process, args.startup_timeout)
             warm = bench_args(args, name, base_url, model_dir, args.clients, None,
-                              num_prompts=args.clients, num_warmups=1)
+                              num_prompts=args.clients, num_warmups=1,
+                              seed_offset=WARMUP_SEED_OFFSET)
             if bench_serve.main(warm) != 0:
                 raise RuntimeError("warm-up run failed")
             yield base_url
@@ -264,15 +265,24 @@ def abba_runs(rounds: int, names: tuple[str, str],
     return runs
 
 
+# Random prompts drawn from one seed are one list, and both pagedserve and llama-server keep
+# prompts cached: warm-ups draw from their own seed, and each measured run of a server from
+# its own offset, so no measured prompt is a cache hit left by a warm-up or an earlier level.
+WARMUP_SEED_OFFSET = 10_000
+
+
 def bench_args(args: argparse.Namespace, name: str, base_url: str, model_dir: str,
                concurrency: int, result_file: str | None, num_prompts: int,
-               num_warmups: int) -> list[str]:
+               num_warmups: int, seed_offset: int = 0) -> list[str]:
+    """`benchmarks.serve`'s arguments for one run; its prompts from seed args.seed +
+    `seed_offset`."""
     argv = [
         "--base-url", base_url, "--endpoint", "chat", "--tokenizer", model_dir,
         "--dataset", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
         "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-        "--num-warmups", str(num_warmups), "--seed", str(args.seed), "--label", name,
+        "--num-warmups", str(num_warmups), "--seed", str(args.seed + seed_offset),
+        "--label", name,
         "--disable-tqdm",
         # Every server alike: llama-server closes keep-alive connections idle for 5 s (as
         # between two levels), and a request sent on one just closed fails.
@@ -307,18 +317,20 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
             # builds lazily (transformers sets continuous batching up on first use).
             widest = max(args.concurrency)
             status = bench_serve.main(bench_args(args, name, base_url, model_dir, widest, None,
-                                                 num_prompts=widest, num_warmups=1))
+                                                 num_prompts=widest, num_warmups=1,
+                                                 seed_offset=WARMUP_SEED_OFFSET))
             if status != 0:
                 raise RuntimeError(f"{name}: warm-up run failed")
             levels = [(c, False) for c in args.concurrency]
             levels += [(c, True) for c in args.concurrency] if args.hog else []
-            for concurrency, hog in levels:
+            for index, (concurrency, hog) in enumerate(levels):
                 tag = f"c{concurrency}" + ("-hog" if hog else "")
                 result_file = str(Path(args.result_dir) / f"{name}-{tag}.json")
                 with busy_loop(hog):
                     status = bench_serve.main(bench_args(
                         args, name, base_url, model_dir, concurrency, result_file,
-                        num_prompts=concurrency * args.prompts_per_client, num_warmups=0))
+                        num_prompts=concurrency * args.prompts_per_client, num_warmups=0,
+                        seed_offset=index))
                 if status != 0:
                     raise RuntimeError(f"{name}: the run at {tag} failed")
                 with open(result_file) as f:
@@ -328,16 +340,18 @@ def run_server(args: argparse.Namespace, name: str, model_dir: str, gguf: Path |
                 footprint.rss_after_burst_mib = max(footprint.rss_after_burst_mib or 0.0,
                                                     group_rss_mib(process.pid))
             if args.prefill_len:
-                footprint.prefill_ms = prefill_ms(args, name, base_url, model_dir)
+                footprint.prefill_ms = prefill_ms(args, name, base_url, model_dir,
+                                                  seed_offset=len(levels))
         finally:
             stop(process)
 
 
-def prefill_ms(args: argparse.Namespace, name: str, base_url: str, model_dir: str) -> float:
+def prefill_ms(args: argparse.Namespace, name: str, base_url: str, model_dir: str,
+               seed_offset: int) -> float:
     """Time to first token of one `--prefill-len`-token prompt (median of 2, one at a time)."""
     result_file = str(Path(args.result_dir) / f"{name}-prefill.json")
     argv = bench_args(args, name, base_url, model_dir, 1, result_file, num_prompts=2,
-                      num_warmups=0)
+                      num_warmups=0, seed_offset=seed_offset)
     argv[argv.index("--random-input-len") + 1] = str(args.prefill_len)
     argv[argv.index("--random-output-len") + 1] = "1"
     if bench_serve.main(argv) != 0:
