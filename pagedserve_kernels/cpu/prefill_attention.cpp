@@ -123,7 +123,7 @@ void pack_block(const Shapes& s, const uint16_t* k, const uint16_t* v, int64_t h
 }
 
 // One work item's running state: per row its output sums (float32 [rows, D]), running
-// max m and sum l, and the pointers to its query and output vectors.
+// max m and sum l, the last block's correction e^(m_old - m), its query and position.
 struct ItemState {
   std::vector<float> o, m, l, correction;
   std::vector<const uint32_t*> q;  // the row's query as bf16 pairs
