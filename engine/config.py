@@ -304,6 +304,15 @@ class ModelConfig:
         None, "--max-tokens-default", "Output tokens at most for a request that sets no "
         "max_tokens (any API). Default: the model's max_new_tokens if its generation config "
         "has one, else the room left in the context.", group="model", type=positive_int)
+    # pagedserve_kernels/cpu/group32_activations.h; set in each worker before loading.
+    activation_precision: str = option(
+        "auto", "--activation-precision", "CPU, packed linears (GGUF Q4_0/Q4_1/Q4_K/Q6_K/Q8_0, "
+        "--quantization int4/int8): what the integer kernels round the activations to, per "
+        "group of 32: 'int8' (as llama.cpp's Q8_0 blocks: u8 x s8 products, twice the "
+        "multiply-adds per instruction with VNNI; prefill takes the integer kernels too), "
+        "'int16' (closer to the float model), 'auto' (PAGEDSERVE_ACTIVATION_PRECISION if set, "
+        "else int8 on AVX-512 VNNI CPUs and int16 elsewhere).", group="model",
+        choices=("auto", "int16", "int8"))
     batch_invariant: bool = option(  # engine.batch_invariant
         False, "--batch-invariant", "Make each request's tokens and logprobs independent of "
         "the requests batched with it (quantized linears and attention take their per-row "

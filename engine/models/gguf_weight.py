@@ -159,7 +159,9 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
-    max_rows = default_max_rows(kernel_kind(spec, n), dtype) if max_rows is None else max_rows
+    if max_rows is None:
+        kind = "q6k-blocked" if ggml_type == T.Q6_K else kernel_kind(spec, n)
+        max_rows = default_max_rows(kind, dtype)
     if ggml_type == T.Q4_K:
         return _repack_q4k(blocks, spec, max_rows)
     if ggml_type == T.Q6_K:

@@ -47,7 +47,8 @@ KERNEL_CALLS: Counter[str] = Counter()
 def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> int:
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
     (decoded tiles and one matmul) on this CPU; `kind` "int4" / "int8" (row-major),
-    "int4-blocked" / "int8-blocked" (blocks of 16 output rows) or "gguf" (the K-quant kernels of
+    "int4-blocked" / "int8-blocked" (blocks of 16 output rows), "q6k-blocked" (GGUF Q6_K's
+    six-bit form of blocked int8) or "gguf" (the K-quant kernels of
     pagedserve_kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind. `dtype` is the
     model's (activations') dtype, which the tiles are decoded into; None: the dtype that
     `--dtype auto` picks on this CPU (bfloat16 where it has native bf16, else float32).
@@ -56,7 +57,8 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
     `python -m benchmarks.gguf_linears` (a 1B Llama layer, 2 threads): with bfloat16 tiles
     on a CPU with native bf16 (avx512_bf16), tiles multiply cheaply and the crossover is
     where the few-row kernel's per-row work passes the decoding of a tile; float32 tiles
-    cost more and the few-row kernels keep more rows.
+    cost more and the few-row kernels keep more rows. With 8-bit activations (the kernels'
+    precision when the weight is built) on AVX-512 VNNI the blocked kernels take every batch.
     """
     override = os.environ.get("PAGEDSERVE_QUANT_MAX_ROWS")
     if override:
@@ -64,12 +66,21 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
     native_bf16 = cpu_info.native_bf16_reason() is not None
     float32_tiles = not native_bf16 if dtype is None else dtype == torch.float32
     avx512 = cpu_info.vector_isa() == "avx512"
+    blocked = kind in ("int4-blocked", "int8-blocked", "q6k-blocked")
     # Each limit is the measured crossover of that case (the figures: docs/performance.md,
     # "Figures behind choices in the code"; full tables in docs/cpu-kernels.md).
-    if kind in ("int4-blocked", "int8-blocked") and avx512 and float32_tiles:
+    if blocked and _int8_products():
+        # 8-bit activations through vpdpbusd (four u8 x s8 products per lane) beat bfloat16
+        # tiles at every batch measured, 1,024 rows (a 1B layer on a Zen 5, ms: int4 128 rows
+        # 14.7 vs 28.4, 1,024 rows 136 vs 153; Q8_0 512 rows 67 vs 85), so prefill takes them
+        # too; GGUF Q6_K, decoded a group at a time, loses from ~256 rows (256: 55 vs 49).
+        if kind != "q6k-blocked":
+            return ALL_ROWS
+        return 512 if float32_tiles else 128
+    if blocked and avx512 and float32_tiles:
         # float32 tiles cost the tiled path most: the blocked kernels keep 512 rows.
         return 512
-    if kind in ("int4-blocked", "int8-blocked") and avx512:
+    if blocked and avx512:
         # Blocked int4 / int8 (pagedserve_kernels/cpu/quant_blocked.cpp), bfloat16 tiles: the
         # layer and SmolLM2's lm_head agree; GGUF Q4_K / Q6_K repacks take the same limits.
         return 32
@@ -78,6 +89,17 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
         return 32
     # bfloat16 tiles on native bf16 (oneDNN) multiply cheaply: the crossover comes early.
     return 8 if kind == "gguf" else 12
+
+
+ALL_ROWS = 1 << 30  # a few-row limit no batch reaches
+
+
+def _int8_products() -> bool:
+    """Whether the packed kernels now take 8-bit activations through AVX-512 VNNI."""
+    from pagedserve_kernels.cpu_kernels import activation_precision
+
+    return ({"avx512f", "avx512bw", "avx512_vnni"} <= cpu_info.cpu_flags()
+            and activation_precision() == "int8")
 
 
 def kernel_kind(spec: QuantSpec, out_features: int) -> str:

@@ -107,9 +107,19 @@ class Worker:
             logger.info("CPU: %s; compute dtype %s (%s)", cpu_info.describe(),
                         str(dtype).removeprefix("torch."), why)
         if device.type == "cpu":
-            from pagedserve_kernels.cpu_kernels import cpu_kernels
+            from pagedserve_kernels.cpu_kernels import (
+                activation_precision,
+                cpu_kernels,
+                set_activation_precision,
+            )
 
             cpu_kernels()  # build (once per CPU) or load them now, not on the first request
+            if config.model_config.activation_precision != "auto":
+                # before loading: each packed weight's few-row limit depends on it
+                set_activation_precision(config.model_config.activation_precision)
+            if rank.rank == 0 and activation_precision() is not None:
+                logger.info("packed linears: %s activations (--activation-precision %s)",
+                            activation_precision(), config.model_config.activation_precision)
         from engine import batch_invariant
 
         batch_invariant.set_enabled(config.model_config.batch_invariant)

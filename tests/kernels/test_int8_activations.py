@@ -238,3 +238,78 @@ def test_blocked_isa_builds_match_the_reference(isa, tmp_path):
         for bits in (8, 16):
             check_kernel(lambda x, data, scales, mins, b=bits: ext.linear(x, data, scales, mins, b),
                          w, bits, seed=len(name), atol=atol)
+
+
+# ---- The row tiles of many-row calls, the CPU default, --activation-precision ----
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_row_tiles_cover_every_row(name):
+    """Many rows over a long K run in tiles of rows (~256 KB of rounded activations: 32 rows
+    of int8 or 16 of int16 at K = 8,192): every row of a 45-row batch, across three tiles and
+    a partial one, against the reference at both precisions, and bitwise as the row alone."""
+    torch.manual_seed(1)
+    w = quantize(torch.randn(32, 8192) * 0.05, SPECS[name], max_rows=1 << 30)
+    x = torch.randn(45, 8192)
+    for precision, bits in ck.ACTIVATION_PRECISIONS.items():
+        with activation_precision(precision):
+            out = run(native_linear(name), x, w)
+            torch.testing.assert_close(out, reference(x, w, bits), atol=1e-4, rtol=1e-5)
+            for m in (0, 15, 16, 31, 32, 44):
+                assert torch.equal(run(native_linear(name), x[m:m + 1], w)[0], out[m]), (bits, m)
+
+
+def test_default_precision_follows_avx512_vnni(monkeypatch):
+    """int8 where the CPU has AVX-512 VNNI (vpdpbusd), int16 elsewhere (AVX-VNNI included:
+    not measured there)."""
+    cases = {"fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16": "int8",
+             "fpu avx2 avx512f avx512bw avx512_bf16": "int16",
+             "fpu avx2 avx_vnni": "int16", "": "int16"}
+    for flags, expected in cases.items():
+        monkeypatch.setattr(ck, "_cpu_flags_line", lambda f=flags: f"flags\t\t: {f}")
+        assert ck.default_activation_precision() == expected, flags
+
+
+@needs_kernels
+def test_int8_activations_take_prefill_and_match_transformers(tmp_path):
+    """--activation-precision int8 (the engine flag, set before the weights load): on AVX-512
+    VNNI the blocked kernels serve every batch, 4 x 40-token prompts' prefill included (no
+    tiled call; elsewhere the limits stay), and the greedy tokens of a tiny Q4_0 GGUF equal
+    transformers' on its dequantized weights under the near-tie rule."""
+    import gguf
+
+    from engine import LLM, SamplingParams, cpu_info
+    from engine.model_loader import load_model, resolve_model
+    from engine.models.quant import ALL_ROWS, KERNEL_CALLS
+    from tests.kernels.test_quant import NEAR_TIE_LOGPROB_GAP, export_dense_checkpoint
+    from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
+    from tests.support.model_fixtures import build_tiny_checkpoint, build_tiny_gguf
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "llama")
+    gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny.Q4_0.gguf", "llama",
+                                matrix_type=gguf.GGMLQuantizationType.Q4_0)
+    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_info.cpu_flags()
+    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(40)] for i in range(4)]
+    before = ck.activation_precision()
+    try:
+        llm = LLM(str(converted), dtype="float32", activation_precision="int8",
+                  max_model_len=256)
+        assert ck.activation_precision() == "int8"
+        calls = dict(KERNEL_CALLS)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10,
+                                                       ignore_eos=True), use_tqdm=False)
+        assert KERNEL_CALLS["int4"] > calls.get("int4", 0)
+        if vnni:
+            assert KERNEL_CALLS["tiled"] == calls.get("tiled", 0)
+        packed = load_model(converted, torch.bfloat16, "cpu", "auto")
+        limits = {m.quantized.max_rows for m in packed.modules()
+                  if getattr(m, "quantized", None) is not None}
+        assert limits == {ALL_ROWS} if vnni else ALL_ROWS not in limits
+    finally:
+        ck.set_activation_precision(before)
+    dense = load_model(converted, torch.float32, "cpu", "none")
+    reference_dir = export_dense_checkpoint(dense, hf_dir, tmp_path / "dequantized")
+    reference = hf_greedy_reference(reference_dir, prompts, 10, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in outputs]
+    assert_greedy_matches(ours, reference, max_gap=NEAR_TIE_LOGPROB_GAP)
