@@ -14,7 +14,7 @@ import pytest
 # The suite runs the packed kernels' int16 activation path (the reference, closest to the
 # float model) on every CPU, so that its results do not depend on the CPU family CI draws;
 # int8, the default on AVX-512 VNNI CPUs, is tested by name (tests/kernels/test_int8_activations.py,
-# tests/engine/test_default_model.py).
+# tests/kernels/test_quant.py, tests/engine/test_default_model.py).
 os.environ.setdefault("PAGEDSERVE_ACTIVATION_PRECISION", "int16")
 
 

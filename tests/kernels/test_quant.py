@@ -318,6 +318,45 @@ def test_q4_1_gguf_is_served_in_its_own_precision(tmp_path):
 
 
 @needs_kernels
+def test_int8_activations_take_prefill_and_match_transformers(tmp_path):
+    """--activation-precision int8 (the engine flag, set before the weights load): on AVX-512
+    VNNI the blocked kernels serve every batch, 4 x 40-token prompts' prefill included (no
+    tiled call; elsewhere the limits stay), and the greedy tokens of a tiny Q4_0 GGUF equal
+    transformers' on its dequantized weights under the near-tie rule."""
+    from engine import cpu_info
+    from engine.models.quant import ALL_ROWS
+
+    hf_dir = build_tiny_checkpoint(tmp_path / "hf", "llama")
+    gguf_path = build_tiny_gguf(hf_dir, tmp_path / "tiny.Q4_0.gguf", "llama",
+                                matrix_type=gguf.GGMLQuantizationType.Q4_0)
+    converted = resolve_model(gguf_path, cache_dir=tmp_path / "cache").path
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_info.cpu_flags()
+    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(40)] for i in range(4)]
+    before = pagedserve_kernels.cpu_kernels.activation_precision()
+    try:
+        llm = LLM(str(converted), dtype="float32", activation_precision="int8",
+                  max_model_len=256)
+        assert pagedserve_kernels.cpu_kernels.activation_precision() == "int8"
+        calls = dict(KERNEL_CALLS)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10,
+                                                       ignore_eos=True), use_tqdm=False)
+        assert KERNEL_CALLS["int4"] > calls.get("int4", 0)
+        if vnni:
+            assert KERNEL_CALLS["tiled"] == calls.get("tiled", 0)
+        packed = load_model(converted, torch.bfloat16, "cpu", "auto")
+        limits = {m.quantized.max_rows for m in packed.modules()
+                  if getattr(m, "quantized", None) is not None}
+        assert limits == {ALL_ROWS} if vnni else ALL_ROWS not in limits
+    finally:
+        pagedserve_kernels.cpu_kernels.set_activation_precision(before)
+    dense = load_model(converted, torch.float32, "cpu", "none")
+    reference_dir = export_dense_checkpoint(dense, hf_dir, tmp_path / "dequantized")
+    reference = hf_greedy_reference(reference_dir, prompts, 10, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in outputs]
+    assert_greedy_matches(ours, reference, max_gap=NEAR_TIE_LOGPROB_GAP)
+
+
+@needs_kernels
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["avx512_bf16", "no_bf16"])
 def test_few_row_limit_follows_the_model_dtype(tmp_path, monkeypatch, native_bf16):
     """The tiled path decodes into the model's dtype, so each packed weight's few-row
