@@ -205,14 +205,24 @@ struct Int8Activations {
   std::vector<float> scales, sums;
 };
 
+// Rows are independent: `for_rows(begin, end, fn)` runs fn(m0, m1) over ranges of rows covering
+// 0 .. rows - 1 (serially by default; a many-row caller passes its thread pool's parallel_for).
+struct SerialRows {
+  template <typename F>
+  void operator()(int64_t begin, int64_t end, const F& fn) const { fn(begin, end); }
+};
+
+template <typename ForRows = SerialRows>
 inline Int8Activations quantize_activations_int8(const float* x, int64_t rows, int64_t cols,
-                                                 bool offset = false) {
+                                                 bool offset = false,
+                                                 const ForRows& for_rows = ForRows{}) {
   const int64_t groups = cols / kGroup;
   Int8Activations qa;
   qa.values.resize(rows * cols);
   qa.scales.resize(rows * groups);
   qa.sums.resize(rows * groups);
-  for (int64_t m = 0; m < rows; ++m)
+  for_rows(0, rows, [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + m * cols + g * kGroup;
       int8_t* dst = qa.values.data() + m * cols + g * kGroup;
@@ -223,6 +233,7 @@ inline Int8Activations quantize_activations_int8(const float* x, int64_t rows, i
       qa.scales[m * groups + g] = scale;
       qa.sums[m * groups + g] = scale * static_cast<float>(sum);
     }
+  });
   return qa;
 }
 

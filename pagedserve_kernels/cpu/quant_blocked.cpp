@@ -745,8 +745,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   auto block_m = [&](int64_t b) { return kInt8 ? GroupLanes{} : mn.block(b, groups); };
   if constexpr (kHasX8Kernel<kInt8>) {
     if (bits == 8) {
-      const Int8Activations a = quantize_activations_int8(x.data_ptr<float>(), rows, cols,
-                                                          /*offset=*/kInt8);
+      // A prefill chunk's rows are rounded on both threads (16 rows a chunk at least).
+      const Int8Activations a = quantize_activations_int8(
+          x.data_ptr<float>(), rows, cols, /*offset=*/kInt8,
+          [](int64_t begin, int64_t end, const auto& fn) {
+            pagedserve::parallel_for(begin, end, 16, fn);
+          });
       const int64_t tile = row_tile(cols, 1);
       pagedserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t0 = 0; t0 < rows; t0 += tile)
