@@ -54,7 +54,7 @@ SHAPE_SETS = {
     "lm_head": {"lm_head": (49152, 576)},
 }
 PACKED = ("int4", "int8", "int4-rowmajor", "int8-rowmajor")  # engine.models.quant formats
-REPACKED = ("Q4_K-repacked", "Q6_K-repacked")  # GGUF types the loader repacks (blocked int4/int8)
+REPACKED = ("Q4_K-repacked", "Q5_K-repacked", "Q6_K-repacked")  # GGUF types the loader repacks (blocked int4/int8)
 LAYERS = 8  # copies of the weights, cycled so that they come from memory
 
 
@@ -105,12 +105,12 @@ def run_layer(ops, fmt: str, weights: dict, xs: dict, tiled: bool) -> None:
             data, scales, mins = w
             int4 = fmt.startswith("int4") or fmt == "Q4_K-repacked"
             if tiled:
-                ops.quant_tiled_linear(x, data, scales, mins if int4 else torch.empty(0),
+                ops.quant_tiled_linear(x, data, scales, torch.empty(0) if mins is None else mins,
                                        4 if int4 else 8)
             elif int4:
                 ops.int4_linear(x.float(), data, scales, mins)
             else:
-                ops.int8_linear(x.float(), data, scales)
+                ops.int8_linear(x.float(), data, scales, mins)  # mins: GGUF Q5_K only
         else:
             ops.gguf_linear(x, w, int(GGMLQuantizationType[fmt]), 0 if tiled else 1 << 30)
 

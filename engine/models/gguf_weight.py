@@ -46,6 +46,7 @@ from engine.models.quant import (
     QuantizedWeight,
     QuantSpec,
     block_int4_values,
+    block_int8,
     block_q6k_values,
     default_max_rows,
     kernel_kind,
@@ -55,17 +56,17 @@ from engine.models.quant import (
 T = GGMLQuantizationType
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], dtype=np.int8)
-# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K and Q6_K only
+# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K, Q5_K and Q6_K only
 # with a multiple of 16 rows: `repacks`).
 REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("int4"),
                   T.Q8_0: QuantSpec("int8"), T.Q5_0: QuantSpec("int8"),
                   T.IQ4_NL: QuantSpec("int8"), T.Q4_K: QuantSpec("int4"),
-                  T.Q6_K: QuantSpec("int8")}
+                  T.Q5_K: QuantSpec("int8"), T.Q6_K: QuantSpec("int8")}
 
 
 def repacks(ggml_type: GGMLQuantizationType, rows: int) -> bool:
     """Whether a tensor of this type and number of rows (output features) is repacked."""
-    return ggml_type in REPACKED_SPECS and (ggml_type not in (T.Q4_K, T.Q6_K)
+    return ggml_type in REPACKED_SPECS and (ggml_type not in (T.Q4_K, T.Q5_K, T.Q6_K)
                                             or rows % BLOCK_ROWS == 0)
 
 
@@ -164,6 +165,8 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
         max_rows = default_max_rows(kind, dtype)
     if ggml_type == T.Q4_K:
         return _repack_q4k(blocks, spec, max_rows)
+    if ggml_type == T.Q5_K:
+        return _repack_q5k(blocks, spec, max_rows)
     if ggml_type == T.Q6_K:
         return _repack_q6k(blocks, spec, max_rows)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups)
@@ -190,6 +193,40 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     return QuantizedWeight(spec, torch.from_numpy(q), torch.from_numpy(d.copy()), None, max_rows)
 
 
+def _k4_scales_and_mins(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of Q4_K / Q5_K blocks from their 12 bytes b [..., 12]
+    (see _repack_q4k)."""
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def _repack_q5k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
+    """Q5_K blocks (uint8 [N, K / 256, 176]: half d, dmin | scales[12] | qh[32] | qs[128]) as
+    blocked int8 q (0..31, one byte each: 1.0 bytes per weight against the file's 0.69) with
+    Q4_K's super-block lanes for the scales d * sc and mins -dmin * m, exactly. Element
+    32 i + l of a block (group i) is the low (i even) or high (i odd) nibble of
+    qs[32 (i // 2) + l] with bit i of qh[l] above it. Example: qs[0] = 0x5A, qh[0] = 0x02:
+    element 0 is 0xA (bit 0 clear), element 32 0x5 | 1 << 4 = 21.
+    """
+    n, supers = blocks.shape[0], blocks.shape[1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, supers)
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, supers)
+    sc, m = _k4_scales_and_mins(blocks[..., 4:16])
+    qh = blocks[..., 16:48].reshape(n, supers, 1, 32)
+    qs = blocks[..., 48:].reshape(n, supers, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, supers, 8, 32)
+    bits = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = (low | (((qh >> bits) & 1) << 4)).astype(np.int8).reshape(n, supers * 256)
+    groups = supers * 8
+    data, _ = block_int8(torch.from_numpy(q), torch.zeros(n, groups, dtype=torch.float16))
+    return QuantizedWeight(
+        spec, data,
+        super_block_lanes(torch.from_numpy(d), torch.from_numpy(sc.reshape(n, groups))),
+        super_block_lanes(torch.from_numpy(-dmin), torch.from_numpy(m.reshape(n, groups))),
+        max_rows)
+
+
 def _repack_q4k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
     """Q4_K blocks (uint8 [N, K / 256, 144]: half d, dmin | scales[12] | qs[128]) as blocked
     int4 with super-block lanes. Element 64 c + l (l < 32) of a block is the low nibble of
@@ -202,9 +239,7 @@ def _repack_q4k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> Quantized
     n, supers = blocks.shape[0], blocks.shape[1]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, supers)
     dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, supers)
-    b = blocks[..., 4:16]
-    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], -1)
-    m = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], -1)
+    sc, m = _k4_scales_and_mins(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(n, supers, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(n, supers * 256)
     groups = supers * 8

@@ -162,8 +162,12 @@ class QuantizedWeight:
 
     @property
     def scale_form(self) -> str:
-        """"float16" or "super-blocks" (weights concatenate only within one form)."""
-        return "super-blocks" if self.scales.dtype == torch.uint8 else "float16"
+        """"float16", or "super-blocks-<bytes>" with "+mins" where an int8 weight has them
+        (GGUF Q5_K): weights concatenate only within one form."""
+        if self.scales.dtype != torch.uint8:
+            return "float16"
+        mins = "+mins" if self.spec.method == "int8" and self.mins is not None else ""
+        return f"super-blocks-{self.scales.shape[-1]}{mins}"
 
     def canonical(self, ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -174,7 +178,10 @@ class QuantizedWeight:
             scales, mins = _lane_values(self.scales), _lane_values(self.mins)
             if self.spec.method == "int4":
                 return unblock_int4(self.data, scales, mins, ids)
-            return (*unblock_int8(int8_layout(self.data), scales, ids), None)
+            data, row_scales = unblock_int8(int8_layout(self.data), scales, ids)
+            if mins is None:
+                return data, row_scales, None
+            return data, row_scales, unblock_int8(int8_layout(self.data), mins, ids)[1]
         if ids is None:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
@@ -200,7 +207,7 @@ class QuantizedWeight:
             out = self._kernel.int4_linear(x32, self.data, self.scales, self.mins)
         else:
             KERNEL_CALLS["int8"] += 1
-            out = self._kernel.int8_linear(x32, self.data, self.scales)
+            out = self._kernel.int8_linear(x32, self.data, self.scales, self.mins)
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out if bias is None else out + bias

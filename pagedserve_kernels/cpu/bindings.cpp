@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(),
         "x @ W.T with W in int4 groups of 32 (float16 scales and mins).");
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(),
-        "x @ W.T with W in int8 groups of 32 (float16 scales).");
+        "x @ W.T with W in int8 groups of 32 (scales; blocked GGUF Q5_K: and mins).",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none());
   m.def("set_batch_invariant", &set_batch_invariant,
         "int4/int8: every batch size takes the same per-row arithmetic (--batch-invariant).");
   m.def("set_activation_precision", &set_activation_precision,

@@ -41,11 +41,11 @@ at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
   } else if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
     const at::Tensor x32 = x.to(at::kFloat).contiguous();
     out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
-                            : int8_linear(x32, w.data, w.scales);
+                            : int8_linear(x32, w.data, w.scales, w.mins);
     out = out.to(x.scalar_type());
   } else if (w.quant_bits != 0) {
     out = quant_tiled_linear(x.contiguous(), w.data, w.scales,
-                             w.quant_bits == 4 ? w.mins : at::Tensor(), w.quant_bits);
+                             w.mins, w.quant_bits);
   } else {
     return at::linear(x, w.dense, w.bias.defined() ? c10::optional<at::Tensor>(w.bias)
                                                    : c10::optional<at::Tensor>());

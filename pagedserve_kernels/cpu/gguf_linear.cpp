@@ -554,7 +554,7 @@ at::Tensor blocked_rows(at::Tensor data, at::Tensor scales, at::Tensor mins, at:
         if (bits == 4) {
           decode_blocked_int4(data, scales, mins, b, block.data());
         } else {
-          decode_blocked_int8(data, scales, b, block.data());
+          decode_blocked_int8(data, scales, mins, b, block.data());
         }
         decoded = b;
       }
@@ -575,7 +575,7 @@ at::Tensor quant_tiled_linear(at::Tensor x, at::Tensor data, at::Tensor scales, 
       if (bits == 4) {
         decode_blocked_int4(data, scales, mins, n / 16, dst);
       } else {
-        decode_blocked_int8(data, scales, n / 16, dst);
+        decode_blocked_int8(data, scales, mins, n / 16, dst);
       }
     }, 16);
   }

@@ -20,7 +20,9 @@ void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key, at::Ten
                        double scale);
 // quant_linear.cpp
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
-at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales);
+// int8: `mins` (blocked only, GGUF Q5_K: w = scale q + min) may be absent.
+at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
+                       c10::optional<at::Tensor> mins);
 void set_batch_invariant(bool enabled);
 // The few-row kernels' activation precision, 16 or 8 bits (group32_activations.h): every
 // int4/int8/GGUF few-row call reads it when it starts.
@@ -34,11 +36,12 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits);
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                at::Tensor mins);
-at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                               at::Tensor mins);  // mins undefined or empty: none
 void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t block, float* dst);
-void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
-                         float* dst);
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst);
 // gguf_linear.cpp
 at::Tensor gguf_dequantize(at::Tensor raw, int64_t type, int64_t cols);
 at::Tensor gguf_linear(at::Tensor x, at::Tensor raw, int64_t type, int64_t max_rows);

@@ -298,7 +298,7 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                                  _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
       }
     }
-    if (!kInt8) {
+    if (!kInt8 || mins.p != nullptr) {
       const __m512 lowest = mins.lanes16(g);
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -367,7 +367,7 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
       }
     }
     for (int h = 0; h < 2; ++h) {
-      if (!kInt8) {
+      if (!kInt8 || mins.p != nullptr) {
         const __m256 lowest = mins.lanes8(g, h);
         for (int r = 0; r < R; ++r)
           acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
@@ -413,7 +413,7 @@ void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
           }
           acc = std::fma(static_cast<float>(dot), scales.lane(g, j, seg) * a.scales[at], acc);
         }
-        if (!kInt8) acc = std::fma(mins.lane(g, j), a.sums[at], acc);
+        if (!kInt8 || mins.p != nullptr) acc = std::fma(mins.lane(g, j), a.sums[at], acc);
       }
       out[(m0 + r) * out_stride + j] = acc;
     }
@@ -538,7 +538,7 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                                  _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at])), acc[r]);
       }
     }
-    if (!kInt8) {
+    if (!kInt8 || mins.p != nullptr) {
       const __m512 lowest = mins.lanes16(g);
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -656,13 +656,18 @@ void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                                       acc[r][h]);
         }
     }
-    if (!kInt8)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 lowest = mins.lanes8(g, h);
-        for (int r = 0; r < R; ++r)
-          acc[r][h] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
-                                      acc[r][h]);
+    if (!kInt8 || mins.p != nullptr) {
+      __m256 lowest[2] = {mins.lanes8(g, 0), mins.lanes8(g, 1)};
+      if (kInt8) {  // int8's lane order, as the scales above (GGUF Q5_K's mins)
+        const __m256 natural[2] = {lowest[0], lowest[1]};
+        lowest[0] = _mm256_permute2f128_ps(natural[0], natural[1], 0x20);
+        lowest[1] = _mm256_permute2f128_ps(natural[0], natural[1], 0x31);
       }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r)
+          acc[r][h] = _mm256_fmadd_ps(lowest[h], _mm256_set1_ps(a.sums[(m0 + r) * groups + g]),
+                                      acc[r][h]);
+    }
   }
   for (int r = 0; r < R; ++r) {
     float* o = out + (m0 + r) * out_stride;
@@ -742,7 +747,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
   auto block_s = [&](int64_t b) { return s.block(b, groups); };
-  auto block_m = [&](int64_t b) { return kInt8 ? GroupLanes{} : mn.block(b, groups); };
+  auto block_m = [&](int64_t b) { return mn.p == nullptr ? GroupLanes{} : mn.block(b, groups); };
   if constexpr (kHasX8Kernel<kInt8>) {
     if (bits == 8) {
       // A prefill chunk's rows are rounded on both threads (16 rows a chunk at least).
@@ -820,6 +825,9 @@ void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes
 
 bool is_blocked(const at::Tensor& packed) { return packed.dim() == 3; }
 
+// Whether an int8 weight has mins (an undefined or empty tensor: none).
+bool has_mins(const at::Tensor& mins) { return mins.defined() && mins.numel() > 0; }
+
 void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits) {
   if (bits == 4) {
@@ -834,6 +842,9 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
   if (bits == 4) {
     TORCH_CHECK(s.segments == 1 && group_lanes(mins, blocks, groups, "int4 mins").segments == 1,
                 "int4 scales and mins cover whole groups (160-byte super-blocks)");
+  } else if (has_mins(mins)) {  // int8 with mins (GGUF Q5_K): whole-group scales and mins
+    TORCH_CHECK(s.segments == 1 && group_lanes(mins, blocks, groups, "int8 mins").segments == 1,
+                "int8 mins need whole-group scales and mins (160-byte super-blocks)");
   }
 }
 
@@ -846,12 +857,14 @@ at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scale
                                group_lanes(mins, blocks, groups, "int4 mins"));
 }
 
-at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales) {
-  check_blocked_weight(packed, scales, at::Tensor(), 8);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                               at::Tensor mins) {
+  check_blocked_weight(packed, scales, mins, 8);
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                               blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
-                              GroupLanes{});
+                              has_mins(mins) ? group_lanes(mins, blocks, groups, "int8 mins")
+                                             : GroupLanes{});
 }
 
 // ---- The tiled path's decoders: block `block`'s 16 rows as float32 [16, K] ----
@@ -972,27 +985,31 @@ void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
   }
 }
 
-// Blocked int8 (W[16 b + j, 32 g + k] = scales[b, g, j] q), or Q6_K's six bits decoded to it
-// with a scale per 16 columns.
-void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
-                         float* dst) {
+// Blocked int8 (W[16 b + j, 32 g + k] = scales[b, g, j] q (+ mins[b, g, j]: GGUF Q5_K)), or
+// Q6_K's six bits decoded to it with a scale per 16 columns.
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst) {
   const int64_t groups = packed.size(1), cols = groups * kGroup;
   const GroupLanes s =
       group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
+  const GroupLanes mn = has_mins(mins)
+      ? group_lanes(mins, packed.size(0), groups, "int8 mins").block(block, groups)
+      : GroupLanes{};
   const bool q6k = s.segments == 2;
   const uint8_t* stored = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) +
                           block * groups * group_stride(true, q6k);
   const GroupRows rows;
   alignas(64) uint8_t q6k_group[512];
   for (int64_t g = 0; g < groups; ++g) {
-    float scale0[kLanes], scale1[kLanes];
+    float scale0[kLanes], scale1[kLanes], lowest[kLanes];
     for (int j = 0; j < kLanes; ++j) {
       scale0[j] = s.lane(g, j, 0);
       scale1[j] = s.lane(g, j, s.segments - 1);
+      if (mn.p != nullptr) lowest[j] = mn.lane(g, j);
     }
     const uint8_t* bytes = q6k ? group_bytes<true, true>(stored, g, q6k_group)
                                : group_bytes<true, false>(stored, g, q6k_group);
-    rows.write(reinterpret_cast<const int8_t*>(bytes), scale0, scale1, nullptr, dst + g * kGroup,
-               cols);
+    rows.write(reinterpret_cast<const int8_t*>(bytes), scale0, scale1,
+               mn.p != nullptr ? lowest : nullptr, dst + g * kGroup, cols);
   }
 }

@@ -71,7 +71,7 @@ def test_q4_k_m_tensors_stay_packed_and_k_quants_repack_exactly(tmp_path):
               model.lm_head.quantized, model.model.embed_tokens.packed]
     assert all(isinstance(p, (GGUFWeight, StackedWeight, QuantizedWeight)) for p in packed)
     assert isinstance(layer.mlp.gate_up_proj.quantized, QuantizedWeight)
-    assert layer.mlp.gate_up_proj.quantized.scale_form == "super-blocks"
+    assert layer.mlp.gate_up_proj.quantized.scale_form == "super-blocks-160"
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
     torch.testing.assert_close(layer.mlp.gate_up_proj.quantized.dequantized(),
                                dense.model.layers[0].mlp.gate_up_proj.weight, atol=0, rtol=0)
@@ -88,6 +88,25 @@ def test_q4_k_m_tensors_stay_packed_and_k_quants_repack_exactly(tmp_path):
     assert 0.9 * file_bytes < report.packed_bytes <= 1.03 * file_bytes
     # the cache holds no weights
     assert sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) < 0.1 * file_bytes
+
+
+@needs_kernels
+def test_q5_k_repacks_exactly_into_int8_with_mins():
+    """Q5_K (five-bit values, Q4_K's six-bit scales and mins) becomes blocked int8 q with
+    super-block scale and min lanes: the dequantized weights are the file's, exactly."""
+    resolved = resolve_model(str(FIXTURES / "tiny-llama-Q5_K_M.gguf"))
+    model = load_model(resolved.path, torch.float32, "cpu", "auto")
+    report = model.gguf_report
+    assert not report.packed_types and report.repacked_types["Q5_K"] > 0
+    dense = load_model(resolved.path, torch.float32, "cpu", "none")
+    q5k = [(name, module.quantized) for name, module in model.named_modules()
+           if isinstance(getattr(module, "quantized", None), QuantizedWeight)
+           and module.quantized.scale_form == "super-blocks-160+mins"]
+    assert q5k
+    for name, weight in q5k:
+        assert weight.spec.method == "int8" and weight.mins is not None
+        torch.testing.assert_close(weight.dequantized(), dense.get_submodule(name).weight,
+                                   atol=0, rtol=0)
 
 
 @needs_kernels

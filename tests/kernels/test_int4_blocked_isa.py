@@ -26,21 +26,22 @@ from tests.support.isa_builds import build_for_isa
 BINDING = r"""
 #include <torch/extension.h>
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
-at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 void decode_blocked_int4(const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t block, float* dst);
-void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales, int64_t block,
-                         float* dst);
+void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t block, float* dst);
 at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> mins) {
-  return mins ? blocked_int4_linear(x, packed, scales, *mins) : blocked_int8_linear(x, packed, scales);
+  if (packed.scalar_type() == at::kByte) return blocked_int4_linear(x, packed, scales, *mins);
+  return blocked_int8_linear(x, packed, scales, mins ? *mins : at::Tensor());
 }
 at::Tensor decode_all(at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> mins) {
   const int64_t blocks = packed.size(0), cols = packed.size(1) * 32;
   at::Tensor out = at::empty({blocks * 16, cols}, at::kFloat);
   for (int64_t b = 0; b < blocks; ++b) {
     float* dst = out.data_ptr<float>() + b * 16 * cols;
-    if (mins) decode_blocked_int4(packed, scales, *mins, b, dst);
-    else decode_blocked_int8(packed, scales, b, dst);
+    if (packed.scalar_type() == at::kByte) decode_blocked_int4(packed, scales, *mins, b, dst);
+    else decode_blocked_int8(packed, scales, mins ? *mins : at::Tensor(), b, dst);
   }
   return out;
 }
@@ -81,8 +82,8 @@ def test_blocked_builds_match_the_reference(isa, tmp_path):
                 assert torch.equal(ext.linear(x[m:m + 1], w.data, w.scales, w.mins)[0], out[m])
         torch.testing.assert_close(ext.decode_all(w.data, w.scales, w.mins), w.dequantized(),
                                    atol=1e-6, rtol=1e-6)
-    # GGUF Q4_K / Q6_K repacked: super-block scales (d * sc, -dmin * m), Q6_K's six bits
-    for ggml_type in (T.Q4_K, T.Q6_K):
+    # GGUF Q4_K / Q5_K / Q6_K repacked: super-block scales (d * sc, -dmin * m), Q6_K's six bits
+    for ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
         raw = random_gguf_rows(ggml_type, 48, 512, seed=3)
         w = repack(raw, ggml_type, max_rows=64)
         data, scales, mins = w.canonical()

@@ -195,11 +195,12 @@ BINDING = r"""
 #include <torch/extension.h>
 #include "group32_activations.h"
 at::Tensor blocked_int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
-at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales);
+at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> mins,
                   int64_t bits) {
   pagedserve::group32::set_activation_bits(static_cast<int>(bits));
-  return mins ? blocked_int4_linear(x, packed, scales, *mins) : blocked_int8_linear(x, packed, scales);
+  if (packed.scalar_type() == at::kByte) return blocked_int4_linear(x, packed, scales, *mins);
+  return blocked_int8_linear(x, packed, scales, mins ? *mins : at::Tensor());
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("linear", &linear); }
 """
@@ -230,7 +231,7 @@ def test_blocked_isa_builds_match_the_reference(isa, tmp_path):
     torch.manual_seed(0)
     weights = {name: quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)
                for name, spec in SPECS.items()}
-    for ggml_type in (T.Q4_K, T.Q6_K):  # GGUF K-quants repacked into the blocked layouts
+    for ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):  # GGUF K-quants repacked into the blocked layouts
         weights[ggml_type.name] = repack(random_gguf_rows(ggml_type, 48, 512, seed=2), ggml_type)
     for name, w in weights.items():
         # random K-quant blocks hold weights up to ~19 (float32 sums: a larger absolute error)
