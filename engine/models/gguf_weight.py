@@ -18,9 +18,14 @@ A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
                                        in six bits (block_q6k_values, the file's 0.82 bytes
                                        per weight), int8 scales per 16 columns as super-block
                                        lanes; the blocked int8 kernels decode it per group
+    Q3_K (N a multiple of 16)       -> Q6_K's form, exact: q in -4..3 as six bits, d * (sc - 32)
+                                       per 16 columns (0.82 bytes per weight vs 0.43)
+    Q5_K (N a multiple of 16)       -> QuantizedWeight int8 in blocks of 16 rows, exact: q in
+                                       0..31 a byte each (1.0 vs 0.69) with Q4_K's scale and
+                                       min lanes (the int8 kernels' mins term)
     every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
-      (Q2_K, Q3_K, Q5_K, Q5_1,         in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
-       IQ4_XS; Q4_K / Q6_K with other N)
+      (Q2_K, Q5_1, IQ4_XS; K-quants    in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
+       with other N)
 
 A merged linear (qkv, gate_up) whose pieces have different types (Q4_K_M stores some
 attn_v in Q6_K beside a Q4_K attn_q) holds a StackedWeight: each piece its own packed
@@ -56,17 +61,18 @@ from engine.models.quant import (
 T = GGMLQuantizationType
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], dtype=np.int8)
-# The types that repack exactly, and the int4/int8 spec each becomes (Q4_K, Q5_K and Q6_K only
+# The types that repack exactly, and the int4/int8 spec each becomes (the K-quants only
 # with a multiple of 16 rows: `repacks`).
 REPACKED_SPECS = {T.Q4_0: QuantSpec("int4", symmetric=True), T.Q4_1: QuantSpec("int4"),
                   T.Q8_0: QuantSpec("int8"), T.Q5_0: QuantSpec("int8"),
                   T.IQ4_NL: QuantSpec("int8"), T.Q4_K: QuantSpec("int4"),
-                  T.Q5_K: QuantSpec("int8"), T.Q6_K: QuantSpec("int8")}
+                  T.Q3_K: QuantSpec("int8"), T.Q5_K: QuantSpec("int8"),
+                  T.Q6_K: QuantSpec("int8")}
 
 
 def repacks(ggml_type: GGMLQuantizationType, rows: int) -> bool:
     """Whether a tensor of this type and number of rows (output features) is repacked."""
-    return ggml_type in REPACKED_SPECS and (ggml_type not in (T.Q4_K, T.Q5_K, T.Q6_K)
+    return ggml_type in REPACKED_SPECS and (ggml_type not in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
                                             or rows % BLOCK_ROWS == 0)
 
 
@@ -161,10 +167,12 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
     if max_rows is None:
-        kind = "q6k-blocked" if ggml_type == T.Q6_K else kernel_kind(spec, n)
+        kind = "q6k-blocked" if ggml_type in (T.Q3_K, T.Q6_K) else kernel_kind(spec, n)
         max_rows = default_max_rows(kind, dtype)
     if ggml_type == T.Q4_K:
         return _repack_q4k(blocks, spec, max_rows)
+    if ggml_type == T.Q3_K:
+        return _repack_q3k(blocks, spec, max_rows)
     if ggml_type == T.Q5_K:
         return _repack_q5k(blocks, spec, max_rows)
     if ggml_type == T.Q6_K:
@@ -269,6 +277,36 @@ def _repack_q6k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> Quantized
     d = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).reshape(n, supers)
     return QuantizedWeight(spec, block_q6k_values(torch.from_numpy(q.reshape(n, supers * 256))),
                            super_block_lanes(torch.from_numpy(d), torch.from_numpy(scales)),
+                           None, max_rows)
+
+
+def _repack_q3k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
+    """Q3_K blocks (uint8 [N, K / 256, 110]: hmask[32] | qs[64] | scales[12] | half d) in
+    Q6_K's form: values q in -4..3 held in six bits as q + 32 (block_q6k_values: 0.82 bytes
+    per weight against the file's 0.43), the signed scales sc - 32 per 16 columns as
+    super-block lanes with d, exactly. Element 128 h + 32 s + l takes bits 2s, 2s + 1 of
+    qs[32 h + l], minus 4 unless bit (4 h + s) of hmask[l] is set; sc[i] is the low nibble
+    of scales[i % 8] (i < 8) or its high one (i >= 8), with bits 2 (i // 4) .. of
+    scales[8 + i % 4] above it, as gguf-py reads them. Example: qs[0] = 0x07, hmask[0] =
+    0x01: element 0 is 3 (bit set), element 32 is 1 - 4 = -3.
+    """
+    n, supers = blocks.shape[0], blocks.shape[1]
+    hmask = blocks[..., :32].reshape(n, supers, 1, 32)
+    qs = blocks[..., 32:96].reshape(n, supers, 2, 1, 32)
+    packed = blocks[..., 96:108]
+    d = np.ascontiguousarray(blocks[..., 108:110]).view(np.float16).reshape(n, supers)
+    low = (packed[..., :8].reshape(n, supers, 1, 8)
+           >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)).reshape(n, supers, 16)
+    high = (packed[..., 8:].reshape(n, supers, 1, 4)
+            >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(n, supers, 16)
+    sc = (((low & 0x0F) | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
+    two = ((qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3)
+    top = (hmask >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    q = two.reshape(n, supers, 8, 32).astype(np.int16) - 4 * (1 - top.astype(np.int16))
+    stored = (q + 32).astype(np.uint8).reshape(n, supers * 256)
+    return QuantizedWeight(spec, block_q6k_values(torch.from_numpy(stored)),
+                           super_block_lanes(torch.from_numpy(d),
+                                             torch.from_numpy(sc.reshape(n, supers * 16))),
                            None, max_rows)
 
 

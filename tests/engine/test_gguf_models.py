@@ -91,20 +91,24 @@ def test_q4_k_m_tensors_stay_packed_and_k_quants_repack_exactly(tmp_path):
 
 
 @needs_kernels
-def test_q5_k_repacks_exactly_into_int8_with_mins():
+@pytest.mark.parametrize("name,ggml_type,form", [
+    ("tiny-llama-Q5_K_M.gguf", "Q5_K", "super-blocks-160+mins"),
+    ("tiny-llama-Q3_K_M.gguf", "Q3_K", "super-blocks-288")])
+def test_q5_k_and_q3_k_repack_exactly_into_blocked_int8(name, ggml_type, form):
     """Q5_K (five-bit values, Q4_K's six-bit scales and mins) becomes blocked int8 q with
-    super-block scale and min lanes: the dequantized weights are the file's, exactly."""
-    resolved = resolve_model(str(FIXTURES / "tiny-llama-Q5_K_M.gguf"))
+    super-block scale and min lanes; Q3_K takes Q6_K's six-bit form and 16-column scales:
+    the dequantized weights are the file's, exactly, and nothing stays in its blocks."""
+    resolved = resolve_model(str(FIXTURES / name))
     model = load_model(resolved.path, torch.float32, "cpu", "auto")
     report = model.gguf_report
-    assert not report.packed_types and report.repacked_types["Q5_K"] > 0
+    assert not report.packed_types and report.repacked_types[ggml_type] > 0
     dense = load_model(resolved.path, torch.float32, "cpu", "none")
-    q5k = [(name, module.quantized) for name, module in model.named_modules()
-           if isinstance(getattr(module, "quantized", None), QuantizedWeight)
-           and module.quantized.scale_form == "super-blocks-160+mins"]
-    assert q5k
-    for name, weight in q5k:
-        assert weight.spec.method == "int8" and weight.mins is not None
+    repacked = [(name, module.quantized) for name, module in model.named_modules()
+                if isinstance(getattr(module, "quantized", None), QuantizedWeight)
+                and module.quantized.scale_form == form]
+    assert repacked
+    for name, weight in repacked:
+        assert weight.spec.method == "int8" and (weight.mins is not None) == form.endswith("mins")
         torch.testing.assert_close(weight.dequantized(), dense.get_submodule(name).weight,
                                    atol=0, rtol=0)
 

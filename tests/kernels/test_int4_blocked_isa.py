@@ -83,7 +83,7 @@ def test_blocked_builds_match_the_reference(isa, tmp_path):
         torch.testing.assert_close(ext.decode_all(w.data, w.scales, w.mins), w.dequantized(),
                                    atol=1e-6, rtol=1e-6)
     # GGUF Q4_K / Q5_K / Q6_K repacked: super-block scales (d * sc, -dmin * m), Q6_K's six bits
-    for ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
+    for ggml_type in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
         raw = random_gguf_rows(ggml_type, 48, 512, seed=3)
         w = repack(raw, ggml_type, max_rows=64)
         data, scales, mins = w.canonical()

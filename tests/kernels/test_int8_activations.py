@@ -231,7 +231,7 @@ def test_blocked_isa_builds_match_the_reference(isa, tmp_path):
     torch.manual_seed(0)
     weights = {name: quantize(torch.randn(48, 320) * 0.1, spec, max_rows=64)
                for name, spec in SPECS.items()}
-    for ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):  # GGUF K-quants repacked into the blocked layouts
+    for ggml_type in (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):  # GGUF K-quants repacked into the blocked layouts
         weights[ggml_type.name] = repack(random_gguf_rows(ggml_type, 48, 512, seed=2), ggml_type)
     for name, w in weights.items():
         # random K-quant blocks hold weights up to ~19 (float32 sums: a larger absolute error)
