@@ -261,14 +261,14 @@ inline void quad_weights(const uint8_t* bytes, int t, __m512i& w01, __m512i& w23
   }
 }
 
-// out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes (mins: int4 only).
-// kQ6k: GGUF Q6_K's layout (6-bit weights decoded a group at a time, group_bytes; two scale
-// segments per group, each over 4 quads).
-template <bool kInt8, int R, bool kQ6k = false>
+// out[m0 .. m0 + R - 1, 16 b .. 16 b + 15] from one block's bytes (mins: int4, and int8
+// where mins.p is set: GGUF Q5_K). kQ6k: Q6_K's six-bit layout (GGUF Q6_K, Q3_K, Q5_K: weights
+// decoded a group at a time, group_bytes); kSeg scale segments per group, each over 8 / kSeg
+// quads (Q6_K, Q3_K: 2).
+template <bool kInt8, int R, bool kQ6k = false, int kSeg = kQ6k ? 2 : 1>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
-  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
   #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -331,11 +331,10 @@ inline void quad_weights(const uint8_t* bytes, int t, __m256i w[2][2]) {
 }
 
 // The same on 256-bit vectors: lanes 0-7 and 8-15 of the block in two registers.
-template <bool kInt8, int R, bool kQ6k = false>
+template <bool kInt8, int R, bool kQ6k = false, int kSeg = kQ6k ? 2 : 1>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
-  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -391,11 +390,10 @@ inline void quad_lane(const uint8_t* bytes, int t, int j, int32_t q[4]) {
   }
 }
 
-template <bool kInt8, int R, bool kQ6k = false>
+template <bool kInt8, int R, bool kQ6k = false, int kSeg = kQ6k ? 2 : 1>
 void block_rows(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                 int64_t groups, const QuantizedActivations& a, int64_t cols, int64_t m0, float* out,
                 int64_t out_stride) {
-  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   alignas(64) uint8_t q6k_group[kQ6k ? 512 : 1];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kLanes; ++j) {
@@ -467,11 +465,10 @@ inline __m512i int8_quad_s8(const uint8_t* bytes, int t, __m512i words_to_lanes)
 // saturation), the 8 quads' pairs summed in int16 at most 8 * 3,810 = 30,480 < 32,767, one
 // madd by 1 makes them int32; int8 (VNNI only) |sum (xq + 128) q| <= 32 * 255 * 128 =
 // 1,044,480 and |128 sum q| <= 524,288: all far inside int32.
-template <bool kInt8, int R, bool kQ6k = false>
+template <bool kInt8, int R, bool kQ6k = false, int kSeg = kQ6k ? 2 : 1>
 void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
-  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m512 acc[R];
   #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -580,11 +577,10 @@ inline void int8_quad_s8(const uint8_t* bytes, int t, __m256i w[2]) {
 // maddubs + madd. Bounds as the zmm kernel's: int4 32 * 15 * 127 = 60,960 per lane and
 // group; maddubs pairs <= 3,810 and 8 quads of them <= 30,480 in int16; int8 (AVX-VNNI only)
 // |sum (xq + 128) q| <= 1,044,480.
-template <bool kInt8, int R, bool kQ6k = false>
+template <bool kInt8, int R, bool kQ6k = false, int kSeg = kQ6k ? 2 : 1>
 void block_rows_x8(const uint8_t* block, GroupLanes scales, GroupLanes mins,
                    int64_t groups, const Int8Activations& a, int64_t cols, int64_t m0, float* out,
                    int64_t out_stride) {
-  constexpr int kSeg = kQ6k ? 2 : 1;  // scales per group (Q6_K: one per 16 columns)
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -733,7 +729,7 @@ inline int64_t row_tile(int64_t cols, int64_t bytes_per_value) {
 // out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else empty).
 template <bool kInt8>
 at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
-                          GroupLanes s, GroupLanes mn) {
+                          GroupLanes s, GroupLanes mn, bool six_bit = false) {
   const int64_t cols = groups * kGroup;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -742,8 +738,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   const int bits = activation_bits();  // once per call: a switch mid-call does not split it
   at::Tensor out = at::empty({rows, num_out}, x.options());
   float* op = out.data_ptr<float>();
-  // Q6_K (two scale segments) holds 6-bit weights.
-  const int64_t bytes = group_stride(kInt8, s.segments == 2);
+  // GGUF Q6_K / Q3_K (two scale segments) and Q5_K hold 6-bit weights.
+  const int64_t bytes = group_stride(kInt8, six_bit);
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
   auto block_s = [&](int64_t b) { return s.block(b, groups); };
@@ -762,9 +758,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
           for (int64_t b = begin; b < end; ++b) {
             row_passes(t0, std::min(tile, rows - t0), [&](auto r, int64_t m0) {
               constexpr int R = decltype(r)::value;
-              if (kInt8 && s.segments == 2) {
+              if (kInt8 && six_bit && s.segments == 2) {
                 block_rows_x8<kInt8, R, true>(block_w(b), block_s(b), block_m(b), groups, a, cols,
                                               m0, op + b * kLanes, num_out);
+              } else if (kInt8 && six_bit) {
+                block_rows_x8<kInt8, R, true, 1>(block_w(b), block_s(b), block_m(b), groups, a,
+                                                 cols, m0, op + b * kLanes, num_out);
               } else {
                 block_rows_x8<kInt8, R>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
                                         op + b * kLanes, num_out);
@@ -784,9 +783,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
       for (int64_t b = begin; b < end; ++b) {
         row_passes(t0, std::min(tile, rows - t0), [&](auto r, int64_t m0) {
           constexpr int R = decltype(r)::value;
-          if (kInt8 && s.segments == 2) {  // GGUF Q6_K: a scale per 16 columns
+          if (kInt8 && six_bit && s.segments == 2) {  // GGUF Q6_K, Q3_K: a scale per 16 columns
             block_rows<kInt8, R, true>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
                                        op + b * kLanes, num_out);
+          } else if (kInt8 && six_bit) {  // GGUF Q5_K: six bits, a scale and min per group
+            block_rows<kInt8, R, true, 1>(block_w(b), block_s(b), block_m(b), groups, a, cols,
+                                          m0, op + b * kLanes, num_out);
           } else {
             block_rows<kInt8, R>(block_w(b), block_s(b), block_m(b), groups, a, cols, m0,
                                  op + b * kLanes, num_out);
@@ -825,6 +827,11 @@ void check_blocked(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes
 
 bool is_blocked(const at::Tensor& packed) { return packed.dim() == 3; }
 
+// Whether blocked int8 weights are held in six bits (384 bytes a group: GGUF Q6_K, Q3_K, Q5_K).
+bool is_six_bit(const at::Tensor& packed) {
+  return packed.dim() == 3 && packed.size(2) == kQ6kGroupBytes;
+}
+
 // Whether an int8 weight has mins (an undefined or empty tensor: none).
 bool has_mins(const at::Tensor& mins) { return mins.defined() && mins.numel() > 0; }
 
@@ -832,13 +839,15 @@ void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits) {
   if (bits == 4) {
     check_blocked(packed, at::kByte, kBytesPerGroup<false>, "int4 (uint8)");
-  } else {  // 512 bytes per group, or Q6_K's 384 beside its 288-byte super-blocks
-    const bool q6k = scales.scalar_type() == at::kByte && scales.dim() == 3 &&
-                     scales.size(2) == GroupLanes::kQ6kBytes;
-    check_blocked(packed, at::kChar, group_stride(true, q6k), q6k ? "Q6_K (int8)" : "int8 (int8)");
+  } else {  // 512 bytes per group, or six bits' 384 (GGUF Q6_K, Q3_K, Q5_K)
+    const bool six_bit = is_six_bit(packed);
+    check_blocked(packed, at::kChar, group_stride(true, six_bit),
+                  six_bit ? "six-bit (int8)" : "int8 (int8)");
   }
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   const GroupLanes s = group_lanes(scales, blocks, groups, "scales");
+  TORCH_CHECK(bits == 4 || s.segments == 1 || is_six_bit(packed),
+              "16-column scales (288-byte super-blocks) go with six-bit weights (384 bytes a group)");
   if (bits == 4) {
     TORCH_CHECK(s.segments == 1 && group_lanes(mins, blocks, groups, "int4 mins").segments == 1,
                 "int4 scales and mins cover whole groups (160-byte super-blocks)");
@@ -864,7 +873,8 @@ at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scale
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                               blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
                               has_mins(mins) ? group_lanes(mins, blocks, groups, "int8 mins")
-                                             : GroupLanes{});
+                                             : GroupLanes{},
+                              is_six_bit(packed));
 }
 
 // ---- The tiled path's decoders: block `block`'s 16 rows as float32 [16, K] ----
@@ -995,7 +1005,7 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales,
   const GroupLanes mn = has_mins(mins)
       ? group_lanes(mins, packed.size(0), groups, "int8 mins").block(block, groups)
       : GroupLanes{};
-  const bool q6k = s.segments == 2;
+  const bool q6k = is_six_bit(packed);
   const uint8_t* stored = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) +
                           block * groups * group_stride(true, q6k);
   const GroupRows rows;
