@@ -166,7 +166,7 @@ def repack(raw: np.ndarray, ggml_type: GGMLQuantizationType, max_rows: int | Non
     blocks = raw.reshape(n, -1, GGML_QUANT_SIZES[ggml_type][1])
     groups = blocks.shape[1]
     if max_rows is None:
-        kind = "q6k-blocked" if ggml_type in (T.Q3_K, T.Q6_K) else kernel_kind(spec, n)
+        kind = "q6k-blocked" if ggml_type in (T.Q3_K, T.Q5_K, T.Q6_K) else kernel_kind(spec, n)
         max_rows = default_max_rows(kind, dtype)
     if ggml_type == T.Q4_K:
         return _repack_q4k(blocks, spec, max_rows)

@@ -47,8 +47,8 @@ KERNEL_CALLS: Counter[str] = Counter()
 def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> int:
     """Largest batch for which a packed weight's few-row kernel beats its tiled path
     (decoded tiles and one matmul) on this CPU; `kind` "int4" / "int8" (row-major),
-    "int4-blocked" / "int8-blocked" (blocks of 16 output rows), "q6k-blocked" (GGUF Q6_K's
-    six-bit form of blocked int8) or "gguf" (the K-quant kernels of
+    "int4-blocked" / "int8-blocked" (blocks of 16 output rows), "q6k-blocked" (the six-bit
+    form of blocked int8: GGUF Q6_K, Q5_K, Q3_K) or "gguf" (the K-quant kernels of
     pagedserve_kernels/cpu/gguf_linear.cpp). `kernel_kind` names a weight's kind. `dtype` is the
     model's (activations') dtype, which the tiles are decoded into; None: the dtype that
     `--dtype auto` picks on this CPU (bfloat16 where it has native bf16, else float32).
