@@ -15,7 +15,7 @@ from the cache, as in a real forward pass. Prints the CPU's SIMD flags first.
 int4 / int8 weights whose output count is a multiple of 16 (all of these) are held in
 blocks of 16 output rows (pagedserve_kernels/cpu/quant_blocked.cpp), as the server holds them;
 "int4-rowmajor" / "int8-rowmajor" run the same weights in quant_linear.cpp's row-major
-layout for comparison. "Q4_K-repacked" / "Q6_K-repacked" are random Q4_K / Q6_K weights as
+layout for comparison. "Q4_K-repacked" / "Q6_K-repacked" (and Q3_K, Q5_K) are random K-quant weights as
 the GGUF loader holds them (engine.models.gguf_weight.repack: blocked int4 / int8 with
 super-block scales), "Q4_K" / "Q6_K" the same types on gguf_linear.cpp's kernels. `--shapes lm_head`: SmolLM2-135M's tied lm_head (49152 x 576,
 Q8_0 in its GGUF, so int8) instead of the layer.
@@ -54,7 +54,7 @@ SHAPE_SETS = {
     "lm_head": {"lm_head": (49152, 576)},
 }
 PACKED = ("int4", "int8", "int4-rowmajor", "int8-rowmajor")  # engine.models.quant formats
-REPACKED = ("Q4_K-repacked", "Q5_K-repacked", "Q6_K-repacked")  # GGUF types the loader repacks (blocked int4/int8)
+REPACKED = ("Q3_K-repacked", "Q4_K-repacked", "Q5_K-repacked", "Q6_K-repacked")  # GGUF repacks
 LAYERS = 8  # copies of the weights, cycled so that they come from memory
 
 
