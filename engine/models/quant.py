@@ -10,9 +10,10 @@ of 16 outputs: `pagedserve_kernels/cpu/quant_blocked.cpp`, held in blocks of 16 
 larger batches (prefill chunks, wide decode batches) decode a tile of weight rows at a
 time into the activations' dtype and multiply it with one matmul
 (`pagedserve_kernels/cpu/gguf_linear.cpp`, `quant_tiled_linear`), so both paths multiply by the same
-numbers. The kernels round the activations to int16 per group of 32 (at most 1.5e-5 of
-the group's largest value), which turns each group's dot product into a few integer
-instructions.
+numbers. The kernels round the activations per group of 32 to int16 (at most 1.5e-5 of
+the group's largest value) or, by default on AVX-512 VNNI CPUs, to int8 as llama.cpp's Q8_0
+blocks (--activation-precision; there the blocked kernels also take prefill batches:
+`default_max_rows`), which turns each group's dot product into a few integer instructions.
 
     int4 (asymmetric, Q4_1-like):  w = mins[n, g] + scales[n, g] * q,  q in [0, 15]
     int4 (symmetric, Q4_0):        w = scales[n, g] * (q - 8)  (mins = -8 * scales)
