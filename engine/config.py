@@ -306,7 +306,7 @@ class ModelConfig:
         "has one, else the room left in the context.", group="model", type=positive_int)
     # pagedserve_kernels/cpu/group32_activations.h; set in each worker before loading.
     activation_precision: str = option(
-        "auto", "--activation-precision", "CPU, packed linears (GGUF Q4_0/Q4_1/Q4_K/Q6_K/Q8_0, "
+        "auto", "--activation-precision", "CPU, packed linears (GGUF Q4_0/Q4_1/Q8_0, Q3_K-Q6_K, "
         "--quantization int4/int8): what the integer kernels round the activations to, per "
         "group of 32: 'int8' (as llama.cpp's Q8_0 blocks: u8 x s8 products, twice the "
         "multiply-adds per instruction with VNNI; prefill takes the integer kernels too), "

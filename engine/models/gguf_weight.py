@@ -21,8 +21,9 @@ A loaded GGUF tensor becomes one of two packed weights, chosen by its GGML type:
     Q3_K (N a multiple of 16)       -> Q6_K's form, exact: q in -4..3 as six bits, d * (sc - 32)
                                        per 16 columns (0.82 bytes per weight vs 0.43)
     Q5_K (N a multiple of 16)       -> QuantizedWeight int8 in blocks of 16 rows, exact: q in
-                                       0..31 in Q6_K's six bits (0.75 vs 0.69) with Q4_K's
-                                       scale and min lanes (the int8 kernels' mins term)
+                                       0..31 in Q6_K's six bits with Q4_K's scale and min
+                                       lanes (the int8 kernels' mins term; 0.83 bytes per
+                                       weight vs 0.69)
     every other supported type      -> GGUFWeight: the memory-mapped bytes as they are
       (Q2_K, Q5_1, IQ4_XS; K-quants    in the file, multiplied by pagedserve_kernels/cpu/gguf_linear.cpp
        with other N)
@@ -210,8 +211,8 @@ def _k4_scales_and_mins(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _repack_q5k(blocks: np.ndarray, spec: QuantSpec, max_rows: int) -> QuantizedWeight:
     """Q5_K blocks (uint8 [N, K / 256, 176]: half d, dmin | scales[12] | qh[32] | qs[128]) as
-    blocked int8 q (0..31) in Q6_K's six bits (0.75 bytes per weight against the file's
-    0.69) with Q4_K's super-block lanes for the scales d * sc and mins -dmin * m, exactly. Element
+    blocked int8 q (0..31) in Q6_K's six bits with Q4_K's super-block lanes for the scales
+    d * sc and mins -dmin * m, exactly (0.83 bytes per weight against the file's 0.69). Element
     32 i + l of a block (group i) is the low (i even) or high (i odd) nibble of
     qs[32 (i // 2) + l] with bit i of qh[l] above it. Example: qs[0] = 0x5A, qh[0] = 0x02:
     element 0 is 0xA (bit 0 clear), element 32 0x5 | 1 << 4 = 21.

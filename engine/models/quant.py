@@ -74,7 +74,8 @@ def default_max_rows(kind: str = "int4", dtype: torch.dtype | None = None) -> in
         # 8-bit activations through vpdpbusd (four u8 x s8 products per lane) beat bfloat16
         # tiles at every batch measured, 1,024 rows (a 1B layer on a Zen 5, ms: int4 128 rows
         # 14.7 vs 28.4, 1,024 rows 136 vs 153; Q8_0 512 rows 67 vs 85), so prefill takes them
-        # too; GGUF Q6_K, decoded a group at a time, loses from ~256 rows (256: 55 vs 49).
+        # too; the six-bit kinds (GGUF Q6_K, Q5_K, Q3_K: a group decoded at a time) lose
+        # from ~256 rows (Q6_K, 256 rows: 55 vs 49).
         if kind != "q6k-blocked":
             return ALL_ROWS
         return 512 if float32_tiles else 128
