@@ -31,6 +31,8 @@ int64_t activation_precision();
 // quant_blocked.cpp (int4 / int8 in blocks of 16 output rows: uint8 [N / 16, K / 32, 256]
 // / int8 [N / 16, K / 32, 512]; is_blocked tells them from quant_linear.cpp's layouts)
 bool is_blocked(const at::Tensor& packed);
+// Whether an int8 weight's `mins` are given (an undefined or empty tensor: none).
+bool has_mins(const at::Tensor& mins);
 // The layout, scales and (int4) mins of a blocked weight of `bits` 4 or 8; an error if wrong.
 void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits);

@@ -202,8 +202,9 @@ struct GroupLanes {
   int64_t super_bytes = 0;  // 0: float16 lanes; else kQ4kBytes or kQ6kBytes
   int segments = 1;
 
-  // Block b's lanes, for a weight of `groups` groups per row.
+  // Block b's lanes, for a weight of `groups` groups per row (none of none: int8 mins).
   GroupLanes block(int64_t b, int64_t groups) const {
+    if (p == nullptr) return {};
     const int64_t bytes = super_bytes ? groups / 8 * super_bytes : groups * kLanes * 2;
     return {p + b * bytes, super_bytes, segments};
   }
@@ -743,7 +744,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
   // Block b's weights, scales, mins (int4) and outputs.
   auto block_w = [&](int64_t b) { return w + b * groups * bytes; };
   auto block_s = [&](int64_t b) { return s.block(b, groups); };
-  auto block_m = [&](int64_t b) { return mn.p == nullptr ? GroupLanes{} : mn.block(b, groups); };
+  auto block_m = [&](int64_t b) { return mn.block(b, groups); };
   if constexpr (kHasX8Kernel<kInt8>) {
     if (bits == 8) {
       // A prefill chunk's rows are rounded on both threads (16 rows a chunk at least).
@@ -835,6 +836,13 @@ bool is_six_bit(const at::Tensor& packed) {
 // Whether an int8 weight has mins (an undefined or empty tensor: none).
 bool has_mins(const at::Tensor& mins) { return mins.defined() && mins.numel() > 0; }
 
+namespace {
+// An int8 weight's mins lanes (GGUF Q5_K), or none.
+GroupLanes int8_mins(const at::Tensor& mins, int64_t blocks, int64_t groups) {
+  return has_mins(mins) ? group_lanes(mins, blocks, groups, "int8 mins") : GroupLanes{};
+}
+}  // namespace
+
 void check_blocked_weight(const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& mins, int64_t bits) {
   if (bits == 4) {
@@ -872,9 +880,7 @@ at::Tensor blocked_int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scale
   const int64_t blocks = packed.size(0), groups = packed.size(1);
   return blocked_linear<true>(x, reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()),
                               blocks, groups, group_lanes(scales, blocks, groups, "int8 scales"),
-                              has_mins(mins) ? group_lanes(mins, blocks, groups, "int8 mins")
-                                             : GroupLanes{},
-                              is_six_bit(packed));
+                              int8_mins(mins, blocks, groups), is_six_bit(packed));
 }
 
 // ---- The tiled path's decoders: block `block`'s 16 rows as float32 [16, K] ----
@@ -1002,9 +1008,7 @@ void decode_blocked_int8(const at::Tensor& packed, const at::Tensor& scales,
   const int64_t groups = packed.size(1), cols = groups * kGroup;
   const GroupLanes s =
       group_lanes(scales, packed.size(0), groups, "int8 scales").block(block, groups);
-  const GroupLanes mn = has_mins(mins)
-      ? group_lanes(mins, packed.size(0), groups, "int8 mins").block(block, groups)
-      : GroupLanes{};
+  const GroupLanes mn = int8_mins(mins, packed.size(0), groups).block(block, groups);
   const bool q6k = is_six_bit(packed);
   const uint8_t* stored = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()) +
                           block * groups * group_stride(true, q6k);

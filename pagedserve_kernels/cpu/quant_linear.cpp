@@ -384,9 +384,9 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
 
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                        c10::optional<at::Tensor> mins) {
-  if (is_blocked(qweight)) return blocked_int8_linear(x, qweight, scales, mins.value_or(at::Tensor()));
-  TORCH_CHECK(!mins.has_value() || !mins->defined() || mins->numel() == 0,
-              "row-major int8 weights have no mins");
+  const at::Tensor given_mins = mins.value_or(at::Tensor());
+  if (is_blocked(qweight)) return blocked_int8_linear(x, qweight, scales, given_mins);
+  TORCH_CHECK(!has_mins(given_mins), "row-major int8 weights have no mins");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar &&
                   qweight.is_contiguous(),
               "qweight must be a contiguous int8 [N, K] tensor");
