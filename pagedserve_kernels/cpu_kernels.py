@@ -41,7 +41,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,11 @@ def default_activation_precision() -> str:
     return "int8" if avx512_vnni() else "int16"
 
 
-def avx512_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (and so the u8 x s8 kernels take vpdpbusd)."""
-    return {"avx512bw", "avx512_vnni"} <= set(_cpu_flags_line().split())
+def avx512_vnni(flags: Collection[str] | None = None) -> bool:
+    """Whether a CPU with these feature flags (None: this one's) has AVX-512 VNNI, so that
+    the u8 x s8 kernels take vpdpbusd."""
+    flags = set(_cpu_flags_line().split()) if flags is None else flags
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
 
 
 def activation_precision_from_env() -> str:

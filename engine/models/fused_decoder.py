@@ -33,7 +33,7 @@ from engine.attention.forward_context import LoRAMapping, get_forward_context
 from engine.distributed.parallel_state import get_tp_group
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.layers import GatedMLP, Linear
-from engine.models.quant import KERNEL_CALLS
+from engine.models.quant import ALL_ROWS, KERNEL_CALLS
 from pagedserve_kernels.cpu_kernels import cpu_kernels
 
 STEPS_RUN: Counter[str] = Counter()  # "fused" / "modules": which path ran each step
@@ -193,7 +193,7 @@ def _packed_weights(ops, packed, counted: list[tuple[str, int]]):
         w.parts = [_packed_weights(ops, part, counted) for part in packed.parts]
         return w
     # Batch invariant: every batch on the few-row kernel (as packed.serves says).
-    w.quant_max_rows = 1 << 30 if batch_invariant.enabled() else packed.max_rows
+    w.quant_max_rows = ALL_ROWS if batch_invariant.enabled() else packed.max_rows
     if isinstance(packed, GGUFWeight):
         w.gguf_type, w.data = int(packed.ggml_type), packed.raw
         counted.append((packed.ggml_type.name, w.quant_max_rows))

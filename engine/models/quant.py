@@ -98,10 +98,9 @@ ALL_ROWS = 1 << 30  # a few-row limit no batch reaches
 
 def _int8_products() -> bool:
     """Whether the packed kernels now take 8-bit activations through AVX-512 VNNI."""
-    from pagedserve_kernels.cpu_kernels import activation_precision
+    from pagedserve_kernels.cpu_kernels import activation_precision, avx512_vnni
 
-    return ({"avx512f", "avx512bw", "avx512_vnni"} <= cpu_info.cpu_flags()
-            and activation_precision() == "int8")
+    return avx512_vnni(cpu_info.cpu_flags()) and activation_precision() == "int8"
 
 
 def kernel_kind(spec: QuantSpec, out_features: int) -> str:
@@ -181,9 +180,8 @@ class QuantizedWeight:
             if self.spec.method == "int4":
                 return unblock_int4(self.data, scales, mins, ids)
             data, row_scales = unblock_int8(int8_layout(self.data), scales, ids)
-            if mins is None:
-                return data, row_scales, None
-            return data, row_scales, unblock_int8(int8_layout(self.data), mins, ids)[1]
+            rows = torch.arange(self.out_features) if ids is None else ids
+            return data, row_scales, None if mins is None else _lane_rows(mins, rows)
         if ids is None:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
@@ -408,7 +406,12 @@ def unblock_int4(blocked: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     pairs = blocked.view(blocks, groups, 8, BLOCK_ROWS, 2)[block, :, :, lane]  # [R, G, 8, 2]
     q = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # values (0, 1, 2, 3) of each quad
     q = q.reshape(ids.numel(), groups * GROUP_SIZE)
-    return pack_int4(q), scales[block, :, lane].contiguous(), mins[block, :, lane].contiguous()
+    return pack_int4(q), _lane_rows(scales, ids), _lane_rows(mins, ids)
+
+
+def _lane_rows(lanes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Blocked per-lane values [N / 16, G, 16] (scales or mins) of output rows `ids`: [R, G]."""
+    return lanes[ids // BLOCK_ROWS, :, ids % BLOCK_ROWS].contiguous()
 
 
 def block_int8(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,4 +477,4 @@ def unblock_int8(blocked: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor 
     block, lane = ids // BLOCK_ROWS, ids % BLOCK_ROWS
     pairs = blocked.view(blocks, groups, GROUP_SIZE // 2, BLOCK_ROWS, 2)[block, :, :, lane]
     q = pairs.reshape(ids.numel(), groups * GROUP_SIZE)  # [R, G, 16 pairs, 2] -> [R, K]
-    return q.contiguous(), scales[block, :, lane].contiguous()
+    return q.contiguous(), _lane_rows(scales, ids)

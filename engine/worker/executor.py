@@ -117,9 +117,10 @@ class Worker:
             if config.model_config.activation_precision != "auto":
                 # before loading: each packed weight's few-row limit depends on it
                 set_activation_precision(config.model_config.activation_precision)
-            if rank.rank == 0 and activation_precision() is not None:
+            precision = activation_precision()  # None without kernels
+            if rank.rank == 0 and precision is not None:
                 logger.info("packed linears: %s activations (--activation-precision %s)",
-                            activation_precision(), config.model_config.activation_precision)
+                            precision, config.model_config.activation_precision)
         from engine import batch_invariant
 
         batch_invariant.set_enabled(config.model_config.batch_invariant)
