@@ -65,7 +65,8 @@ def paged_attention_kernel() -> Callable[..., None] | None:
 
     Query row b attends to the first seq_lens[b] positions of the sequence in
     block_table[row_tables[b]] (row_tables empty: table row b).
-    out, query: float32 [B, Hq, D] contiguous, D in HEAD_SIZES; kv_cache: float32,
+    out, query: [B, Hq, D] contiguous, of one dtype (float32, or bfloat16 / float16: computed
+    in float32, rounded once), D in HEAD_SIZES; kv_cache: float32,
     bfloat16 or float16 [2, Hkv, num_blocks, block_size, D]; block_table: int32
     [R, max_blocks]; row_tables, seq_lens: int32 [B]. Bad shapes or indices raise
     RuntimeError before any work. Built (or loaded) once per process.

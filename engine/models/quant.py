@@ -199,17 +199,19 @@ class QuantizedWeight:
         """x [M, K] (any float dtype) -> x @ w.T + bias, [M, N] in x's dtype."""
         if not self.serves(x.shape[0]):
             return self._matmul_many_rows(x, bias)
-        x32 = x if x.dtype == torch.float32 else x.float()
-        if not x32.is_contiguous():
-            x32 = x32.contiguous()
+        dtype = x.dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            x = x.float()
+        x = x if x.is_contiguous() else x.contiguous()
+        # The kernels compute in float32 and round the result to x's dtype.
         if self.spec.method == "int4":
             KERNEL_CALLS["int4"] += 1
-            out = self._kernel.int4_linear(x32, self.data, self.scales, self.mins)
+            out = self._kernel.int4_linear(x, self.data, self.scales, self.mins)
         else:
             KERNEL_CALLS["int8"] += 1
-            out = self._kernel.int8_linear(x32, self.data, self.scales, self.mins)
-        if x.dtype != torch.float32:
-            out = out.to(x.dtype)
+            out = self._kernel.int8_linear(x, self.data, self.scales, self.mins)
+        if out.dtype != dtype:
+            out = out.to(dtype)
         return out if bias is None else out + bias
 
     def _matmul_many_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,10 +26,9 @@
 
 namespace {
 
-// Linear._matmul: a packed weight's few-row kernel for batches it serves (int4/int8 take
-// float32, so bfloat16/float16 activations are widened first and the result rounded
-// back; gguf_linear does that itself), decoded tiles for larger ones, else the dense
-// weight; a stacked weight is its parts side by side.
+// Linear._matmul: a packed weight's few-row kernel for batches it serves (in x's dtype, as
+// gguf_linear), decoded tiles for larger ones, else the dense weight; a stacked weight is
+// its parts side by side.
 at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
   at::Tensor out;
   if (!w.parts.empty()) {
@@ -39,10 +38,8 @@ at::Tensor linear(const LinearWeights& w, const at::Tensor& x) {
   } else if (w.gguf_type >= 0) {
     out = gguf_linear(x.contiguous(), w.data, w.gguf_type, w.quant_max_rows);
   } else if (w.quant_bits != 0 && x.size(0) <= w.quant_max_rows) {
-    const at::Tensor x32 = x.to(at::kFloat).contiguous();
-    out = w.quant_bits == 4 ? int4_linear(x32, w.data, w.scales, w.mins)
-                            : int8_linear(x32, w.data, w.scales, w.mins);
-    out = out.to(x.scalar_type());
+    out = w.quant_bits == 4 ? int4_linear(x.contiguous(), w.data, w.scales, w.mins)
+                            : int8_linear(x.contiguous(), w.data, w.scales, w.mins);
   } else if (w.quant_bits != 0) {
     out = quant_tiled_linear(x.contiguous(), w.data, w.scales,
                              w.mins, w.quant_bits);
@@ -129,12 +126,11 @@ std::tuple<at::Tensor, at::Tensor> DecoderStack::forward(
     }
     rotary_neox_(q, k, cos, sin);
     write_kv_cache(k, v, kv_caches[i], slot_mapping);
-    // The kernel reads float32 queries and writes float32 rows.
-    const at::Tensor q_rows = q.to(at::kFloat).contiguous();
+    const at::Tensor q_rows = q.contiguous();
     at::Tensor attn = at::empty_like(q_rows);
     paged_attention(attn, q_rows, kv_caches[i], block_table, row_tables,
                     seq_lens, shape.attention_scale, /*sliding_window=*/0);
-    const at::Tensor o_in = attn.to(hidden.scalar_type()).view({tokens, q_size});
+    const at::Tensor o_in = attn.view({tokens, q_size});
     h = linear(layer.o, o_in);
     if (lora) add_lora(h, o_in, i, 1, lora_ids, lora_rows);
     add_rms_norm_(h, residual, layer.post_attention_norm, shape.rms_norm_eps);

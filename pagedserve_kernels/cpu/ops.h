@@ -18,7 +18,8 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
 bool prefill_attention_available();
 void prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key, at::Tensor value,
                        double scale);
-// quant_linear.cpp
+// quant_linear.cpp: x [M, K] float32, bfloat16 or float16 -> [M, N] in x's dtype (computed
+// in float32 and rounded once, as a float32 call followed by Tensor.to).
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins);
 // int8: `mins` (blocked only, GGUF Q5_K: w = scale q + min) may be absent.
 at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,

@@ -28,7 +28,8 @@
 // pass 2 accumulates the weighted V rows. Each output value takes the same operations
 // in the same order whatever the other rows of its run, so the kernel is batch
 // invariant: a row's result is the same to the bit alone, in a run or in any batch.
-// Query and output are float32; the cache may be float32, bfloat16 or float16 (widened
+// Query and output are float32 (or bfloat16 / float16, widened and rounded around the float32
+// work); the cache may be float32, bfloat16 or float16 (widened
 // to float32 as it is read), or int8 (engine/attention/kv_int8.py: each token's row of a
 // head is head_size int8 values and their float32 scale, head_size + 4 bytes; keys are
 // widened and scaled into float32 as they are read, a value row's scale multiplies its
@@ -425,9 +426,10 @@ void attend_all(const Problem<T>& pb, int64_t num_rows) {
 
 
 template <typename T>
-void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-         const at::Tensor& block_table, const at::Tensor& row_tables,
-         const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+void run(float* out, const float* query_values, const at::Tensor& query,
+         const at::Tensor& kv_cache, const at::Tensor& block_table,
+         const at::Tensor& row_tables, const at::Tensor& seq_lens, double scale,
+         int64_t sliding_window) {
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   Problem<T> pb;
@@ -439,8 +441,8 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_ca
   pb.table_stride = block_table.stride(0);
   pb.sliding_window = sliding_window;
   pb.scale = static_cast<float>(scale);
-  pb.q_all = query.data_ptr<float>();
-  pb.out_all = out.data_ptr<float>();
+  pb.q_all = query_values;
+  pb.out_all = out;
   pb.k_cache = kv_cache.data_ptr<T>();
   pb.v_cache = pb.k_cache + num_kv_heads * num_blocks * pb.block_size * kv_cache.size(4);
   pb.tables = block_table.data_ptr<int32_t>();
@@ -477,10 +479,12 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      at::Tensor block_table, at::Tensor row_tables, at::Tensor seq_lens,
                      double scale, int64_t sliding_window) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_attention: float32 query");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_attention: float32, bfloat16 or float16 query");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == at::kFloat, "out must be like query");
+                  out.scalar_type() == dtype, "out must be like query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, Hkv, num_blocks, block_size, D]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
@@ -499,19 +503,37 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
     TORCH_CHECK(block_table.size(0) == query.size(0),
                 "without row_tables, one block_table row per query row");
   }
+  // The kernel works in float32: a bfloat16 / float16 query is widened (exact) and the
+  // rows rounded into out at the end, as Tensor.to around a float32 call would.
+  const bool widen = dtype != at::kFloat;
+  std::vector<float> query_floats(widen ? query.numel() : 0), out_floats(widen ? out.numel() : 0);
+  if (dtype == at::kBFloat16) {
+    load_floats(query.data_ptr<c10::BFloat16>(), query_floats.data(), query.numel());
+  } else if (dtype == at::kHalf) {
+    load_floats(query.data_ptr<c10::Half>(), query_floats.data(), query.numel());
+  }
+  const float* q = widen ? query_floats.data() : query.data_ptr<float>();
+  float* o = widen ? out_floats.data() : out.data_ptr<float>();
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
-      run<float>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
+      run<float>(o, q, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
+      run<c10::BFloat16>(o, q, query, kv_cache, block_table, row_tables, seq_lens, scale,
+                         sliding_window);
       break;
     case at::kHalf:
-      run<c10::Half>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
+      run<c10::Half>(o, q, query, kv_cache, block_table, row_tables, seq_lens, scale,
+                     sliding_window);
       break;
     case at::kChar:
-      run<int8_t>(out, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
+      run<int8_t>(o, q, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
       break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16, float16 or int8 cache");
+  }
+  if (dtype == at::kBFloat16) {
+    store_floats(o, out.data_ptr<c10::BFloat16>(), out.numel());
+  } else if (dtype == at::kHalf) {
+    store_floats(o, out.data_ptr<c10::Half>(), out.numel());
   }
 }

@@ -70,6 +70,7 @@
 #include "group32_activations.h"
 #include "madd512.h"
 #include "spin_pool.h"
+#include "vec8.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -727,18 +728,70 @@ inline int64_t row_tile(int64_t cols, int64_t bytes_per_value) {
   return std::max<int64_t>(8, kTileBytes / (cols * bytes_per_value) / 8 * 8);
 }
 
-// out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else empty).
+// x [M, K] as float32: x's own values, or bfloat16 / float16 widened into `buffer` (exact).
+const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  buffer.resize(x.numel());
+  if (x.scalar_type() == at::kBFloat16) {
+    load_floats(x.data_ptr<c10::BFloat16>(), buffer.data(), x.numel());
+  } else {
+    load_floats(x.data_ptr<c10::Half>(), buffer.data(), x.numel());
+  }
+  return buffer.data();
+}
+
+// Where the kernels write out [M, N] in float32: out itself, or (a bfloat16 / float16 out)
+// a float32 buffer that round(begin, end) rounds into out's columns [begin, end) of every
+// row, as Tensor.to does (round to nearest even), so the result is that of a float32 out
+// converted after the call.
+class FloatOut {
+ public:
+  explicit FloatOut(at::Tensor out) : out_(std::move(out)) {
+    if (out_.scalar_type() == at::kFloat) {
+      floats_ = out_.data_ptr<float>();
+    } else {
+      buffer_.resize(out_.numel());
+      floats_ = buffer_.data();
+    }
+  }
+  float* floats() const { return floats_; }
+  const at::Tensor& tensor() const { return out_; }
+  void round(int64_t begin, int64_t end) const {
+    if (out_.scalar_type() == at::kFloat) return;  // written in place
+    const int64_t rows = out_.size(0), cols = out_.size(1);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* src = floats_ + m * cols + begin;
+      if (out_.scalar_type() == at::kBFloat16) {
+        store_floats(src, out_.data_ptr<c10::BFloat16>() + m * cols + begin, end - begin);
+      } else {
+        store_floats(src, out_.data_ptr<c10::Half>() + m * cols + begin, end - begin);
+      }
+    }
+  }
+
+ private:
+  at::Tensor out_;
+  std::vector<float> buffer_;
+  float* floats_ = nullptr;
+};
+
+// out [M, N] = x [M, K] @ W.T for W in blocks (mins: int4 only, else empty); x float32,
+// bfloat16 or float16, out in x's dtype (computed in float32, then rounded).
 template <bool kInt8>
 at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
                           GroupLanes s, GroupLanes mn, bool six_bit = false) {
   const int64_t cols = groups * kGroup;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                   x.scalar_type() == at::kHalf),
+              "x must be a contiguous float32, bfloat16 or float16 [M, K] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
   const int64_t rows = x.size(0), num_out = blocks * kLanes;
   const int bits = activation_bits();  // once per call: a switch mid-call does not split it
-  at::Tensor out = at::empty({rows, num_out}, x.options());
-  float* op = out.data_ptr<float>();
+  std::vector<float> widened;
+  const float* xf = float_rows(x, widened);
+  const FloatOut out(at::empty({rows, num_out}, x.options()));
+  float* op = out.floats();
   // GGUF Q6_K / Q3_K (two scale segments) and Q5_K hold 6-bit weights.
   const int64_t bytes = group_stride(kInt8, six_bit);
   // Block b's weights, scales, mins (int4) and outputs.
@@ -749,7 +802,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
     if (bits == 8) {
       // A prefill chunk's rows are rounded on both threads (16 rows a chunk at least).
       const Int8Activations a = quantize_activations_int8(
-          x.data_ptr<float>(), rows, cols, /*offset=*/kInt8,
+          xf, rows, cols, /*offset=*/kInt8,
           [](int64_t begin, int64_t end, const auto& fn) {
             pagedserve::parallel_for(begin, end, 16, fn);
           });
@@ -771,11 +824,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
               }
             });
           }
+        out.round(begin * kLanes, end * kLanes);
       });
-      return out;
+      return out.tensor();
     }
   }
-  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, cols,
+  const QuantizedActivations a = quantize_activations(xf, rows, cols,
                                                       /*pairs=*/false, /*transposed=*/false,
                                                       activation_levels(bits));
   const int64_t tile = row_tile(cols, 2);
@@ -796,8 +850,9 @@ at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks,
           }
         });
       }
+    out.round(begin * kLanes, end * kLanes);
   });
-  return out;
+  return out.tensor();
 }
 
 // Blocked scales/mins: contiguous float16 [blocks, groups, 16], or uint8 super-blocks

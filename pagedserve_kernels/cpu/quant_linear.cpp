@@ -370,6 +370,8 @@ int64_t activation_precision() { return activation_bits(); }
 at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
                           at::Tensor mins) {
   if (is_blocked(packed)) return blocked_int4_linear(x, packed, scales, mins);
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)  // computed in float32
+    return int4_linear(x.to(at::kFloat), packed, scales, mins).to(x.scalar_type());
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 [N, K / 2] tensor");
@@ -386,6 +388,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales,
                        c10::optional<at::Tensor> mins) {
   const at::Tensor given_mins = mins.value_or(at::Tensor());
   if (is_blocked(qweight)) return blocked_int8_linear(x, qweight, scales, given_mins);
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)  // computed in float32
+    return int8_linear(x.to(at::kFloat), qweight, scales, mins).to(x.scalar_type());
   TORCH_CHECK(!has_mins(given_mins), "row-major int8 weights have no mins");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar &&
                   qweight.is_contiguous(),

@@ -105,3 +105,14 @@ inline void store_floats(const float* x, c10::Half* y, int64_t n) {
 inline void store_floats(const float* x, float* y, int64_t n) {
   std::memcpy(y, x, n * sizeof(float));
 }
+
+// n bfloat16 / float16 values widened to float32 (exact).
+template <typename T>
+inline void load_floats(const T* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const vec8 v = load8(x + i);
+    std::memcpy(y + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) y[i] = static_cast<float>(x[i]);
+}

@@ -264,9 +264,12 @@ def test_cpu_kernel_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="head_size 48 not supported"):
         kernel(torch.empty_like(odd.query), odd.query, odd.kv_cache.permute(0, 3, 1, 2, 4)
                .contiguous(), odd.block_table, NO_ROW_TABLES, odd.seq_lens, 1.0)
-    with pytest.raises(RuntimeError, match="float32 query"):
-        kernel(out.half(), batch.query.half(), head_major.half(), batch.block_table,
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 query"):
+        kernel(out.double(), batch.query.double(), head_major, batch.block_table,
                NO_ROW_TABLES, batch.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="out must be like query"):
+        kernel(out, batch.query.half(), head_major, batch.block_table, NO_ROW_TABLES,
+               batch.seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="float16 or int8 cache"):
         kernel(out, batch.query, head_major.double(), batch.block_table, NO_ROW_TABLES,
                batch.seq_lens, 1.0)
@@ -434,3 +437,21 @@ def test_kernels_in_fresh_process():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_takes_a_half_precision_query_as_float32_rounded(dtype):
+    """A bfloat16 / float16 query and out: the float32 call on the widened query, its rows
+    rounded once (bitwise), so the decoder stack needs no conversions around the kernel."""
+    kernel = cpu_attention_kernel()
+    batch = make_batch([(20, 1), (37, 3)], 6, 2, 64, 16, num_pad=0)
+    cache = batch.kv_cache.permute(0, 3, 1, 2, 4).contiguous().to(dtype)
+    query = batch.query.to(dtype)
+    row_tables = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 35, 36, 37], dtype=torch.int32)
+    table = batch.block_table
+    expected = torch.empty_like(query, dtype=torch.float32)
+    kernel(expected, query.float(), cache, table, row_tables, seq_lens, 0.125)
+    out = torch.empty_like(query)
+    kernel(out, query, cache, table, row_tables, seq_lens, 0.125)
+    assert torch.equal(out, expected.to(dtype))

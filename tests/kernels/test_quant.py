@@ -223,6 +223,33 @@ def test_blocked_rows_do_not_depend_on_their_batch(spec):
         assert torch.equal(qw.matmul(x[:rows], None), together[:rows])
 
 
+@needs_kernels
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("out_features", [48, 40], ids=["blocked", "row-major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_are_the_float32_result_rounded(spec, out_features, dtype):
+    """bfloat16 / float16 x: the float32 call on x widened, rounded once to x's dtype
+    (bitwise), on the blocked kernels (which do it inside) and the row-major ones, with
+    either activation precision."""
+    torch.manual_seed(4)
+    qw = quantize(torch.randn(out_features, 256) * 0.1, spec, max_rows=1 << 20)
+    assert qw.blocked == (out_features % 16 == 0)
+    ck = pagedserve_kernels.cpu_kernels
+    linear = ck.cpu_kernels().int4_linear if spec.method == "int4" else ck.cpu_kernels().int8_linear
+    before = ck.activation_precision()
+    try:
+        for precision in ("int16", "int8"):
+            ck.set_activation_precision(precision)
+            for rows in (1, 3, 9):
+                x = torch.randn(rows, 256).to(dtype)
+                out = linear(x, qw.data, qw.scales, qw.mins)
+                assert out.dtype == dtype
+                widened = linear(x.float(), qw.data, qw.scales, qw.mins)
+                assert torch.equal(out, widened.to(dtype))
+    finally:
+        ck.set_activation_precision(before)
+
+
 def test_quantized_linear_drops_its_dense_weight_and_serves_every_batch():
     layer = Linear(64, 32)
     with torch.no_grad():

@@ -256,22 +256,23 @@ class TorchAttentionBackend(AttentionBackend):
         rows = self.kernel_rows(metadata)
         if len(rows.seq_lens) == 0:
             return rows.sdpa_reqs
+        # The kernel computes in float32 and writes rows in the query's dtype.
         if rows.token_idx is None:  # every token (the usual decode step)
             q = query[: metadata.num_actual_tokens]
-            if q.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous():
+            if q.dtype == out.dtype and q.is_contiguous() and out.is_contiguous():
                 self.kernel(out[: len(q)], q, kv_cache, metadata.block_table, rows.row_tables,
                             rows.seq_lens, scale, sliding_window)
                 return rows.sdpa_reqs
         else:
             q = query[rows.token_idx]
-        q = q.float().contiguous()
+        q = q.to(out.dtype).contiguous()
         result = torch.empty_like(q)
         self.kernel(result, q, kv_cache, metadata.block_table, rows.row_tables, rows.seq_lens,
                     scale, sliding_window)
         if rows.token_idx is None:
             out[: len(q)] = result
         else:
-            out[rows.token_idx] = result.to(out.dtype)
+            out[rows.token_idx] = result
         return rows.sdpa_reqs
 
     def _decode(self, query, kv_cache, metadata, decode_reqs: np.ndarray, scores: Scores,
