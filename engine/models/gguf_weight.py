@@ -94,6 +94,9 @@ class GGUFWeight:
         self.max_rows = default_max_rows("gguf", dtype) if max_rows is None else max_rows
         self._kernel = _kernels()
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.raw]
+
     @property
     def num_bytes(self) -> int:
         return self.raw.numel()
@@ -133,6 +136,9 @@ class StackedWeight:
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
         self.max_rows = min(p.max_rows for p in parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for part in self.parts for tensor in part.tensors()]
 
     @property
     def num_bytes(self) -> int:

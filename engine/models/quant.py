@@ -186,10 +186,12 @@ class QuantizedWeight:
             return self.data, self.scales, self.mins
         return self.data[ids], self.scales[ids], None if self.mins is None else self.mins[ids]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
+
     @property
     def num_bytes(self) -> int:
-        tensors = [self.data, self.scales] + ([self.mins] if self.mins is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def serves(self, num_rows: int) -> bool:
         """Whether a batch of `num_rows` takes the few-row integer kernel."""

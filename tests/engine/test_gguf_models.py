@@ -16,8 +16,13 @@ from engine import LLM, SamplingParams
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.quant import KERNEL_CALLS, QuantizedWeight
+from engine.models.weight_arena import model_tensors
 from tests.support.hf_reference import assert_greedy_matches, hf_greedy_reference
-from tests.support.model_fixtures import TINY_PHI4_LONGROPE, build_tiny_checkpoint
+from tests.support.model_fixtures import (
+    TINY_PHI4_LONGROPE,
+    build_tiny_checkpoint,
+    prefill_logits,
+)
 
 FIXTURES = Path(__file__).parents[1] / "data" / "gguf"
 needs_kernels = pytest.mark.skipif(not pagedserve_kernels.cpu_kernels.toolchain_available(),
@@ -88,6 +93,41 @@ def test_q4_k_m_tensors_stay_packed_and_k_quants_repack_exactly(tmp_path):
     assert 0.9 * file_bytes < report.packed_bytes <= 1.03 * file_bytes
     # the cache holds no weights
     assert sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) < 0.1 * file_bytes
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (Linux)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+def test_weights_move_into_one_huge_page_arena_in_module_order(tmp_path, monkeypatch):
+    """After loading, every weight tensor (packed blocks, scales, norms) lives in one
+    allocation, in the order the forward reads them, advised for 2 MiB pages; the
+    logits are the same to the bit as with the weights left where loading put them."""
+    resolved = resolve_model(str(FIXTURES / "tiny-llama-Q4_K_M.gguf"), cache_dir=tmp_path)
+    model = load_model(resolved.path, torch.float32, "cpu", "auto")
+    tensors = [t for t in model_tensors(model) if t.numel()]
+    arena = tensors[0].untyped_storage()
+    assert all(t.untyped_storage().data_ptr() == arena.data_ptr() for t in tensors)
+    starts = [t.data_ptr() for t in tensors]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert starts[0] % (2 << 20) == 0  # the arena starts on a huge page
+    assert "hg" in vm_flags(starts[0])  # madvise(MADV_HUGEPAGE)
+    layer = model.model.layers[1]
+    assert layer.mlp.down_proj.quantized.tensors()[0].data_ptr() in starts  # a packed weight
+    monkeypatch.setenv("PAGEDSERVE_WEIGHT_ARENA", "0")
+    scattered = load_model(resolved.path, torch.float32, "cpu", "auto")
+    assert len({t.untyped_storage().data_ptr() for t in model_tensors(scattered)}) > 1
+    prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12]]
+    assert torch.equal(prefill_logits(model, prompts), prefill_logits(scattered, prompts))
 
 
 @needs_kernels
