@@ -49,6 +49,7 @@ KERNEL_TESTS=(
     tests/kernels/test_attention_kernels.py::test_paged_attention_half_precision
     tests/kernels/test_attention_kernels.py::test_paged_attention_shapes
     tests/kernels/test_attention_kernels.py::test_kernels_accept_strided_views
+    tests/kernels/test_attention_kernels.py::test_paged_attention_reads_an_fp8_cache
     tests/kernels/test_lora_sgmv.py
 )
 PARITY_TESTS=(tests/gpu/test_gpu_parity.py)

@@ -328,8 +328,9 @@ class ModelConfig:
 
 
 # --kv-cache-dtype's choices: "auto" = the model's compute dtype; int8 = rows of int8 with
-# a float32 scale each (engine/attention/kv_int8.py), CPU only.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# a float32 scale each (engine/attention/kv_int8.py), CPU only; fp8 = rows of float8 e4m3
+# with a scale each (engine/attention/kv_fp8.py), the Triton backend (CUDA) only.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -356,7 +357,8 @@ class CacheConfig:
         "on CPU float16 or bfloat16 under a float32 model halve the bytes attention reads per "
         "token (and double the tokens a --kv-cache-memory holds), at that rounding of keys "
         "and values; int8 (CPU) halves them again against bfloat16: each token's key and "
-        "value per head rounded to int8 with a scale of its own.", group="cache",
+        "value per head rounded to int8 with a scale of its own; fp8 (CUDA, the triton "
+        "backend) the same in float8 e4m3.", group="cache",
         choices=KV_CACHE_DTYPES)
 
 

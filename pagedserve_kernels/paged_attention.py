@@ -10,6 +10,12 @@ Contract (see also ``pagedserve_kernels.reference.paged_attention_ref``, the gro
     seq_lens        int32 [R]       context length AFTER this step (cached + new tokens)
     out             [T, Hq, D]      query.dtype; rows past query_start_loc[-1] are not written
 
+An fp8 cache (``float8_e4m3fn``, ``--kv-cache-dtype fp8``) holds rows of D + 4 bytes instead:
+each (token, kv head) row of K or V is D fp8 values then its float32 scale's 4 bytes, value =
+scale * fp8 (engine/attention/kv_fp8.py writes them). The kernel applies the scales outside
+the dots: a key's scale multiplies its column of scores, a value's scale its column of
+softmax weights, so the dots take the fp8 values widened exactly to the query's dtype.
+
 Request r's ``q_len`` queries are the LAST q_len positions of its sequence; the query at
 position p attends to keys 0..p (with a sliding window W: keys p - W + 1 .. p, and the tile
 starts its walk at the block of its first query's first key). Query head h reads kv head ``h // (Hq // Hkv)`` (GQA; MHA is
@@ -55,6 +61,8 @@ from . import cdiv, check_device, jit_kernel, next_pow2, triton_interpreted
 
 tl: Any = None  # bound to triton.language by pagedserve_kernels.jit_kernel before the first launch
 
+FP8_SCALE_BYTES = 4  # an fp8 cache row's float32 scale, after its head_size values
+
 
 def _paged_attention_kernel(
     out_ptr,
@@ -87,6 +95,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows, a power of two >= BLOCK_Q * GROUP
     UPCAST: tl.constexpr,  # feed tl.dot fp32 operands (interpreter + bf16 only; see below)
     SOFTCAP: tl.constexpr,  # soft-cap the scores (Gemma 2)
+    FP8: tl.constexpr,  # rows of HEAD_SIZE fp8 values and a float32 scale (module docstring)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,11 +157,22 @@ def _paged_attention_kernel(
         )
         k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
         v = tl.load(kv_ptrs + stride_cache_kv, mask=kv_mask, other=0.0)
+        if FP8:  # the rows' scales: the 4 bytes after each row's HEAD_SIZE values
+            scale_at = (kv_cache_ptr + block_id * stride_cache_block + offs * stride_cache_offset
+                        + kv_head * stride_cache_h + HEAD_SIZE)  # [BLOCK_SIZE] byte addresses
+            k_scale = tl.load(scale_at.to(tl.pointer_type(tl.float32)), mask=k_pos < seq_len,
+                              other=0.0)
+            v_scale = tl.load((scale_at + stride_cache_kv).to(tl.pointer_type(tl.float32)),
+                              mask=k_pos < seq_len, other=0.0)
+            k = k.to(q.dtype)  # exact: e4m3 values are bf16 / fp16 / fp32 values
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_SIZE]
+        if FP8:
+            s = s * k_scale[None, :]
         if SOFTCAP:  # c * tanh(s / c), with tanh(x) = 2 sigmoid(2x) - 1
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (
@@ -168,7 +188,11 @@ def _paged_attention_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if FP8:  # out = sum_n p[n] * (v_scale[n] * v8[n]): the scale joins the weight
+            p_v = p * v_scale[None, :]
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
     # Rows past the request's queries (masked, never stored) may have seen no key.
@@ -212,9 +236,12 @@ def paged_attention(
     num_tokens, num_heads, head_size = query.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
     _, _, block_size, num_kv_heads, cache_head_size = kv_cache.shape
-    assert cache_head_size == head_size, (cache_head_size, head_size)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    assert cache_head_size == head_size + (FP8_SCALE_BYTES if fp8 else 0), (cache_head_size,
+                                                                           head_size)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert fp8 or query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert not fp8 or kv_cache.stride(-1) == 1, kv_cache.stride()  # a row's scale follows it
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,), (query_start_loc.shape, num_reqs)
     assert block_table.dim() == 2 and block_table.shape[0] >= num_reqs, block_table.shape
@@ -257,5 +284,6 @@ def paged_attention(
         BLOCK_M=block_m,
         UPCAST=upcast,
         SOFTCAP=bool(logit_softcap),
+        FP8=fp8,
     )
     return out

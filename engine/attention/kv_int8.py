@@ -23,8 +23,9 @@ SCALE_BYTES = 4  # one float32 per row
 
 
 def row_elements(head_size: int, dtype: torch.dtype) -> int:
-    """Elements of the cache's last dimension: head_size, plus the scale's bytes for int8."""
-    return head_size + SCALE_BYTES if dtype == torch.int8 else head_size
+    """Elements of the cache's last dimension: head_size, plus the scale's bytes for the
+    8-bit rows (int8 here, fp8: engine/attention/kv_fp8.py; both one byte an element)."""
+    return head_size + SCALE_BYTES if dtype in (torch.int8, torch.float8_e4m3fn) else head_size
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:

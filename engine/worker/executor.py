@@ -145,6 +145,9 @@ class Worker:
         if kv_cache_dtype == torch.int8 and self.backend.name != "torch":
             raise ValueError(f"--kv-cache-dtype int8 needs the torch attention backend (the "
                              f"CPU's), not {self.backend.name}")
+        if kv_cache_dtype == torch.float8_e4m3fn and self.backend.name != "triton":
+            raise ValueError(f"--kv-cache-dtype fp8 needs the triton attention backend (CUDA), "
+                             f"not {self.backend.name}; on the CPU use int8")
         draft_model = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":

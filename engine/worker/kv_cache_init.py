@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import kv_fp8
 from engine.attention.kv_int8 import row_elements
 from engine.attention.layer import Attention
 from engine.config import KV_CACHE_DTYPES, CacheConfig
@@ -63,10 +64,13 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
                            device: torch.device) -> torch.dtype:
     """The KV cache's element type: `auto` is the model's dtype. A different one is a CPU
     feature (the attention there widens the cache to the query's dtype as it reads it;
-    int8: rows with a scale each, engine/attention/kv_int8.py); the CUDA kernels take the
-    model's dtype only."""
+    int8: rows with a scale each, engine/attention/kv_int8.py), but for fp8 (rows of
+    float8_e4m3fn with a scale each, engine/attention/kv_fp8.py), which the Triton kernels
+    read; the executor checks that the backend reads the chosen rows."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "fp8":
+        return kv_fp8.DTYPE
     dtype = model_dtype if name == "auto" else getattr(torch, name)
     if dtype != model_dtype and device.type != "cpu":
         raise ValueError(f"--kv-cache-dtype {name} differs from the model's "

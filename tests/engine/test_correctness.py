@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.support.attention_cases import needs_kernels
 from tests.support.correctness import (
     GREEDY,
     NUM_NEW_TOKENS,
@@ -27,6 +28,7 @@ from tests.support.correctness import (
     hf_reference,
     make_prompts,
 )
+from tests.support.hf_reference import Reference, assert_greedy_matches
 from tests.support.model_fixtures import build_tiny_checkpoint
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
@@ -115,6 +117,25 @@ def test_half_precision_kv_cache_matches(arch_case, kv_cache_dtype):
     assert_all_three_match(llm, shared, shared_ref)
 
 
+@needs_kernels  # triton imported, under its interpreter where there is no GPU
+@LLAMA_ONLY
+def test_fp8_kv_cache_on_the_triton_path_matches(arch_case):
+    """--kv-cache-dtype fp8 (the Triton backend, run here under the interpreter): the cache
+    holds float8 e4m3 rows with a scale each, and greedy tokens match transformers under the
+    near-tie rule; the CPU's torch backend refuses fp8 with a clear error."""
+    model_dir, prompts, ref, _, _ = arch_case
+    llm = LLM(model_dir, dtype="bfloat16", attention_backend="triton", kv_cache_dtype="fp8",
+              max_model_len=512, num_gpu_blocks_override=64)
+    caches = llm.engine_core.executor.runner.kv_caches
+    assert caches and all(c.dtype == torch.float8_e4m3fn and c.shape[-1] == 16 + 4
+                          for c in caches)  # the tiny llama's head_size 16 and the scale
+    first = Reference(ref.token_ids[:3], ref.top5[:3], ref.logprobs[:3])
+    # bfloat16 against fp32 transformers: a flip must be a tie in numbers (test_gpu_parity's gap)
+    assert_greedy_matches(generate_ids(llm, prompts[:3]), first, max_gap=1.0)
+    with pytest.raises(ValueError, match="fp8 needs the triton attention backend"):
+        LLM(model_dir, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=512)
+
+
 def test_kv_cache_dtype_choices():
     from engine.worker.kv_cache_init import resolve_kv_cache_dtype
     from server.http.cli import engine_config_from_args, make_arg_parser
@@ -128,8 +149,9 @@ def test_kv_cache_dtype_choices():
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="CPU only"):
         resolve_kv_cache_dtype("float16", torch.bfloat16, cuda)
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cuda) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="expected one of"):
-        resolve_kv_cache_dtype("fp8", torch.float32, cpu)
+        resolve_kv_cache_dtype("fp4", torch.float32, cpu)
     args = make_arg_parser().parse_args(["--kv-cache-dtype", "bfloat16"])
     assert engine_config_from_args(args, "/m", "m").cache_config.kv_cache_dtype == "bfloat16"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from engine import LLM
 from tests.support.correctness import (
@@ -93,3 +94,27 @@ def test_greedy_parity_on_cuda(arch_case, dtype, backend, block_size, enforce_ea
     llm.shutdown()
     print(f"{arch} {dtype} {backend} {'eager' if enforce_eager else 'graphs'}: "
           f"{flips} of 24 sequences ended at a near-tie flip")
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_parity_with_an_fp8_kv_cache_on_cuda(arch_case, enforce_eager):
+    """--kv-cache-dtype fp8 (rows of float8 e4m3 and a scale each, the Triton backend):
+    bfloat16 greedy tokens against transformers' fp32 under the near-tie rule, in a batch of
+    eight and under prefix hits, chunked prefill and preemption."""
+    arch, model_dir, prompts, ref, shared, shared_ref = arch_case
+    common = dict(dtype="bfloat16", device="cuda", attention_backend="triton", block_size=16,
+                  max_model_len=MAX_MODEL_LEN, max_num_seqs=16, enforce_eager=enforce_eager,
+                  kv_cache_dtype="fp8")
+    llm = LLM(model_dir, num_gpu_blocks_override=4096 // 16, **common)
+    caches = llm.engine_core.executor.runner.kv_caches
+    assert caches and all(c.dtype == torch.float8_e4m3fn for c in caches)
+    flips = check(generate_ids(llm, prompts), ref, "bfloat16")
+    llm.shutdown()
+    llm = LLM(model_dir, max_num_batched_tokens=64, num_gpu_blocks_override=PREEMPTING_BLOCKS[16],
+              **common)
+    preemptions = count_preemptions(llm)
+    flips += check(generate_ids(llm, shared), shared_ref, "bfloat16")
+    assert preemptions[0] > 0
+    llm.shutdown()
+    print(f"{arch} fp8 KV {'eager' if enforce_eager else 'graphs'}: {flips} of 16 sequences "
+          f"ended at a near-tie flip")

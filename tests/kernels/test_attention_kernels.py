@@ -27,6 +27,7 @@ import torch
 
 import pagedserve_kernels
 import pagedserve_kernels.cpu_kernels
+from engine.attention import kv_fp8
 from pagedserve_kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from tests.support.attention_cases import (
     BLOCK_SIZES,
@@ -299,6 +300,7 @@ def test_import_without_triton():
     code = """
 import sys
 import pagedserve_kernels
+from engine.attention import kv_fp8
 assert "triton" not in sys.modules, "import pagedserve_kernels imported triton"
 sys.modules["triton"] = None  # from here on, `import triton` raises ImportError
 import torch
@@ -455,3 +457,45 @@ def test_cpu_kernel_takes_a_half_precision_query_as_float32_rounded(dtype):
     out = torch.empty_like(query)
     kernel(out, query, cache, table, row_tables, seq_lens, 0.125)
     assert torch.equal(out, expected.to(dtype))
+
+
+def test_fp8_rows_round_trip_within_e4m3s_mantissa():
+    """kv_fp8 rows: the worked example of its docstring, each row's largest value back to
+    float32 rounding, every value within 1/16 of itself (e4m3's 3-bit mantissa) or of a
+    subnormal step."""
+    rows = kv_fp8.quantize_rows(torch.tensor([[0.5, -1.75, 0.0, 0.03]]))
+    assert rows.dtype == torch.float8_e4m3fn and rows.shape == (1, 8)
+    assert kv_fp8.dequantize_rows(rows).tolist() == [[0.5, -1.75, 0.0, 0.029296875]]
+    x = torch.randn(64, 3, 128) * torch.logspace(-4, 2, 64)[:, None, None]
+    x[5] = 0.0  # a row of zeros: scale 0, zeros back
+    back = kv_fp8.dequantize_rows(kv_fp8.quantize_rows(x))
+    assert torch.equal(back[5], x[5])
+    row_max = x.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(back.abs().amax(-1, keepdim=True), row_max, rtol=1e-6, atol=0)
+    step = row_max / kv_fp8.E4M3_MAX * 2.0**-9  # e4m3's subnormal step, scaled
+    assert ((back - x).abs() <= torch.maximum(x.abs() / 16, step)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-3),
+                                       (torch.bfloat16, 2e-2)], ids=["fp32", "fp16", "bf16"])
+def test_paged_attention_reads_an_fp8_cache(dtype, tol):
+    """--kv-cache-dtype fp8 on the Triton path: the backend's write (rows quantized in torch,
+    copied as bytes by reshape_and_cache) stores exactly kv_fp8's rows, and the kernel over
+    the fp8 cache matches the reference over the same rows dequantized (the scales applied
+    outside the dots are the same products)."""
+    batch = make_batch(MIXED_BATCH, 8, 2, 64, 16, dtype=dtype)
+    cache = kv_fp8.quantize_rows(batch.kv_cache)  # the cached context, NaN where unwritten
+    keys, values = kv_fp8.quantize_rows(batch.key), kv_fp8.quantize_rows(batch.value)
+    pagedserve_kernels.reshape_and_cache(keys.view(torch.uint8), values.view(torch.uint8),
+                                         cache.view(torch.uint8), batch.slot_mapping)
+    slots = batch.slot_mapping[: batch.num_real]
+    written = cache.view(torch.uint8)[:, slots // 16, slots % 16]
+    assert torch.equal(written[0], keys[: batch.num_real].view(torch.uint8))
+    assert torch.equal(written[1], values[: batch.num_real].view(torch.uint8))
+    args = (batch.block_table, batch.query_start_loc, batch.seq_lens)
+    expected = paged_attention_ref(batch.query.float(), kv_fp8.dequantize_rows(cache), *args, 0.125)
+    out = pagedserve_kernels.paged_attention(batch.query, cache, *args, 0.125)
+    assert out.dtype == dtype
+    n = batch.num_real
+    torch.testing.assert_close(out[:n].float(), expected[:n], rtol=tol, atol=tol)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from engine.attention import kv_fp8
 from engine.attention.backends.base import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
@@ -21,8 +24,14 @@ class TritonAttentionBackend(AttentionBackend):
             return TorchAttentionBackend().forward(query, key, value, None, metadata, scale,
                                                    sliding_window, logit_softcap)
         num_tokens = metadata.num_actual_tokens
-        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache,
-                          metadata.slot_mapping[:num_tokens])
+        key, value = key[:num_tokens], value[:num_tokens]
+        if kv_cache.dtype == kv_fp8.DTYPE:  # rows of fp8 values and a scale, copied as bytes
+            key, value = (kv_fp8.quantize_rows(key).view(torch.uint8),
+                          kv_fp8.quantize_rows(value).view(torch.uint8))
+            reshape_and_cache(key, value, kv_cache.view(torch.uint8),
+                              metadata.slot_mapping[:num_tokens])
+        else:
+            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
         return paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             scale, max_query_len=metadata.max_query_len, sliding_window=sliding_window,
