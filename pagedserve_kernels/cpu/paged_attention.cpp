@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "exp_poly.h"
+#include "float_rows.h"
 #include "kv_int8_rows.h"
 #include "spin_pool.h"
 #include "vec8.h"
@@ -480,8 +481,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
                      double scale, int64_t sliding_window) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   const at::ScalarType dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "paged_attention: float32, bfloat16 or float16 query");
+  TORCH_CHECK(pagedserve::float_dtype(dtype), "paged_attention: float32, bfloat16 or float16 query");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
                   out.scalar_type() == dtype, "out must be like query");
@@ -505,15 +505,9 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
   }
   // The kernel works in float32: a bfloat16 / float16 query is widened (exact) and the
   // rows rounded into out at the end, as Tensor.to around a float32 call would.
-  const bool widen = dtype != at::kFloat;
-  std::vector<float> query_floats(widen ? query.numel() : 0), out_floats(widen ? out.numel() : 0);
-  if (dtype == at::kBFloat16) {
-    load_floats(query.data_ptr<c10::BFloat16>(), query_floats.data(), query.numel());
-  } else if (dtype == at::kHalf) {
-    load_floats(query.data_ptr<c10::Half>(), query_floats.data(), query.numel());
-  }
-  const float* q = widen ? query_floats.data() : query.data_ptr<float>();
-  float* o = widen ? out_floats.data() : out.data_ptr<float>();
+  std::vector<float> query_floats, out_floats(dtype == at::kFloat ? 0 : out.numel());
+  const float* q = pagedserve::float_values(query, query_floats);
+  float* o = dtype == at::kFloat ? out.data_ptr<float>() : out_floats.data();
   switch (kv_cache.scalar_type()) {
     case at::kFloat:
       run<float>(o, q, query, kv_cache, block_table, row_tables, seq_lens, scale, sliding_window);
@@ -531,9 +525,5 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor kv_cache,
       break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16, float16 or int8 cache");
   }
-  if (dtype == at::kBFloat16) {
-    store_floats(o, out.data_ptr<c10::BFloat16>(), out.numel());
-  } else if (dtype == at::kHalf) {
-    store_floats(o, out.data_ptr<c10::Half>(), out.numel());
-  }
+  pagedserve::round_into(o, out, 0, out.numel());
 }

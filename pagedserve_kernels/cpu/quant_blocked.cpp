@@ -69,8 +69,8 @@
 
 #include "group32_activations.h"
 #include "madd512.h"
+#include "float_rows.h"
 #include "spin_pool.h"
-#include "vec8.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -728,18 +728,6 @@ inline int64_t row_tile(int64_t cols, int64_t bytes_per_value) {
   return std::max<int64_t>(8, kTileBytes / (cols * bytes_per_value) / 8 * 8);
 }
 
-// x [M, K] as float32: x's own values, or bfloat16 / float16 widened into `buffer` (exact).
-const float* float_rows(const at::Tensor& x, std::vector<float>& buffer) {
-  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
-  buffer.resize(x.numel());
-  if (x.scalar_type() == at::kBFloat16) {
-    load_floats(x.data_ptr<c10::BFloat16>(), buffer.data(), x.numel());
-  } else {
-    load_floats(x.data_ptr<c10::Half>(), buffer.data(), x.numel());
-  }
-  return buffer.data();
-}
-
 // Where the kernels write out [M, N] in float32: out itself, or (a bfloat16 / float16 out)
 // a float32 buffer that round(begin, end) rounds into out's columns [begin, end) of every
 // row, as Tensor.to does (round to nearest even), so the result is that of a float32 out
@@ -758,15 +746,9 @@ class FloatOut {
   const at::Tensor& tensor() const { return out_; }
   void round(int64_t begin, int64_t end) const {
     if (out_.scalar_type() == at::kFloat) return;  // written in place
-    const int64_t rows = out_.size(0), cols = out_.size(1);
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* src = floats_ + m * cols + begin;
-      if (out_.scalar_type() == at::kBFloat16) {
-        store_floats(src, out_.data_ptr<c10::BFloat16>() + m * cols + begin, end - begin);
-      } else {
-        store_floats(src, out_.data_ptr<c10::Half>() + m * cols + begin, end - begin);
-      }
-    }
+    const int64_t cols = out_.size(1);
+    for (int64_t m = 0; m < out_.size(0); ++m)
+      pagedserve::round_into(floats_ + m * cols + begin, out_, m * cols + begin, end - begin);
   }
 
  private:
@@ -781,15 +763,13 @@ template <bool kInt8>
 at::Tensor blocked_linear(const at::Tensor& x, const uint8_t* w, int64_t blocks, int64_t groups,
                           GroupLanes s, GroupLanes mn, bool six_bit = false) {
   const int64_t cols = groups * kGroup;
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                   x.scalar_type() == at::kHalf),
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && pagedserve::float_dtype(x.scalar_type()),
               "x must be a contiguous float32, bfloat16 or float16 [M, K] tensor");
   TORCH_CHECK(x.size(1) == cols, "x has ", x.size(1), " columns, the weight ", cols);
   const int64_t rows = x.size(0), num_out = blocks * kLanes;
   const int bits = activation_bits();  // once per call: a switch mid-call does not split it
   std::vector<float> widened;
-  const float* xf = float_rows(x, widened);
+  const float* xf = pagedserve::float_values(x, widened);
   const FloatOut out(at::empty({rows, num_out}, x.options()));
   float* op = out.floats();
   // GGUF Q6_K / Q3_K (two scale segments) and Q5_K hold 6-bit weights.
