@@ -14,6 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The feature flags of /proc/cpuinfo (empty where there is no such file)."""

@@ -12,7 +12,9 @@ The move keeps every tensor object: `Tensor.set_` points it at its bytes in the 
 whatever holds the tensor (a Parameter, a QuantizedWeight) sees the new memory. Only
 tensors that are the whole of their own storage move (a view into a mapped file or into
 another tensor stays where it is); tied weights move once. While moving, the process holds
-both copies (the old heap is handed back right after, by the loader's malloc_trim).
+both copies (the old heap is handed back right after, by the loader's malloc_trim), so the
+move is skipped (and logged) where the machine's available memory could not hold a second
+copy with room to spare.
 
 `PAGEDSERVE_WEIGHT_ARENA=0` leaves the weights where loading put them.
 """
@@ -26,6 +28,8 @@ import os
 
 import torch
 from torch import nn
+
+from engine import cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,11 @@ def move_into_arena(model: nn.Module) -> int:
     sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
     total = sum(_aligned(size) for size in sizes)
     if total == 0:
+        return 0
+    if 2 * total > cpu_info.available_memory_bytes():
+        logger.info("weights stay in 4 KiB pages: a second copy of their %.1f MiB (the move "
+                    "to 2 MiB pages) would need more than half the available memory",
+                    total / 2**20)
         return 0
     # One allocation with room to start on a 2 MiB boundary. Example: the buffer at
     # 0x7f00_0012_3440 starts the arena at 0x7f00_0020_0000 (offset 0xdcbc0).

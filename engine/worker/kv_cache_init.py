@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import cpu_info
 from engine.attention import kv_fp8
 from engine.attention.kv_int8 import row_elements
 from engine.attention.layer import Attention
@@ -78,18 +79,6 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
     return dtype
 
 
-def cpu_available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
 # CUDA memory taken after the KV cache is sized, kept out of its share: the decode CUDA
 # graphs' pool (the activations of the largest captured batch), the capture stream's
 # cuBLAS workspace, Triton kernels compiled later, the allocator's rounding. An estimate
@@ -111,7 +100,7 @@ def available_kv_cache_bytes(device: torch.device, cache_config: CacheConfig) ->
         return budget - peak_torch - non_torch - CUDA_HEADROOM_BYTES
     if cache_config.kv_cache_memory_bytes is not None:
         return cache_config.kv_cache_memory_bytes
-    return min(int(cpu_available_memory_bytes() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP_BYTES)
+    return min(int(cpu_info.available_memory_bytes() * CPU_DEFAULT_KV_SHARE), CPU_DEFAULT_KV_CAP_BYTES)
 
 
 # Blocks allocated past the pool's: the padding block.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagedserve_kernels.cpu_kernels
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_info
 from engine.model_loader import ModelSourceError, load_model, resolve_model
 from engine.models.gguf_weight import GGUFWeight, StackedWeight
 from engine.models.quant import KERNEL_CALLS, QuantizedWeight
@@ -128,6 +128,11 @@ def test_weights_move_into_one_huge_page_arena_in_module_order(tmp_path, monkeyp
     assert len({t.untyped_storage().data_ptr() for t in model_tensors(scattered)}) > 1
     prompts = [[1, 5, 9, 13], [2, 4, 6, 8, 10, 12]]
     assert torch.equal(prefill_logits(model, prompts), prefill_logits(scattered, prompts))
+    # Without room for a second copy of the weights they stay where loading put them.
+    monkeypatch.delenv("PAGEDSERVE_WEIGHT_ARENA")
+    monkeypatch.setattr(cpu_info, "available_memory_bytes", lambda: 1 << 20)
+    kept = load_model(resolved.path, torch.float32, "cpu", "auto")
+    assert len({t.untyped_storage().data_ptr() for t in model_tensors(kept)}) > 1
 
 
 @needs_kernels
