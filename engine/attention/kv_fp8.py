@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import kv_int8
+
 DTYPE = torch.float8_e4m3fn
-SCALE_BYTES = 4  # one float32 per row
 E4M3_MAX = 448.0
 
 
@@ -37,8 +38,5 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(DTYPE)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """fp8 rows [..., D + 4] -> values [..., D] in `dtype` (computed in float32)."""
-    values = rows[..., :-SCALE_BYTES].float()
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.uint8).view(torch.float32)
-    return (values * scale).to(dtype)
+# The int8 rows' layout (a byte a value, then the scale): the same reader.
+dequantize_rows = kv_int8.dequantize_rows

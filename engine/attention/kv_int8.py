@@ -38,7 +38,8 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8 rows [..., D + 4] -> values [..., D] in `dtype` (computed in float32)."""
+    """int8 (or kv_fp8's float8) rows [..., D + 4] -> values [..., D] in `dtype` (computed in
+    float32)."""
     q = rows[..., :-SCALE_BYTES]
     scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
     return (q.float() * scale).to(dtype)

@@ -24,14 +24,12 @@ class TritonAttentionBackend(AttentionBackend):
             return TorchAttentionBackend().forward(query, key, value, None, metadata, scale,
                                                    sliding_window, logit_softcap)
         num_tokens = metadata.num_actual_tokens
-        key, value = key[:num_tokens], value[:num_tokens]
+        key, value, cache = key[:num_tokens], value[:num_tokens], kv_cache
         if kv_cache.dtype == kv_fp8.DTYPE:  # rows of fp8 values and a scale, copied as bytes
-            key, value = (kv_fp8.quantize_rows(key).view(torch.uint8),
-                          kv_fp8.quantize_rows(value).view(torch.uint8))
-            reshape_and_cache(key, value, kv_cache.view(torch.uint8),
-                              metadata.slot_mapping[:num_tokens])
-        else:
-            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+            key, value, cache = (kv_fp8.quantize_rows(key).view(torch.uint8),
+                                 kv_fp8.quantize_rows(value).view(torch.uint8),
+                                 kv_cache.view(torch.uint8))
+        reshape_and_cache(key, value, cache, metadata.slot_mapping[:num_tokens])
         return paged_attention(
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             scale, max_query_len=metadata.max_query_len, sliding_window=sliding_window,
