@@ -14,13 +14,22 @@ OMP_WAIT_POLICY or GOMP_SPINCOUNT always wins):
 Zen 5 pair, 1B Q4_0, 8 requests decoding offline: 90.1 ms a step with libgomp's default,
 59.2 PASSIVE, 61.0 with the short spin; a 73-token BERT embedding over HTTP 11.7 ms
 PASSIVE, ~7 with the short spin.
+
+`small_ops_on_this_thread` keeps torch's small ops of a step (a few rows of logits: to
+float32, softmax, random draws) off those threads altogether: see its comment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads after the OpenMP settings above are made
+    import torch
 
 SHORT_SPIN_COUNT = "10000"
 _SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -64,3 +73,36 @@ def warn_if_too_late() -> None:
                        "~3 ms spin, which slows the CPU kernels; set GOMP_SPINCOUNT=%s (or "
                        "OMP_WAIT_POLICY=PASSIVE) in the environment, or import engine "
                        "first", SHORT_SPIN_COUNT)
+
+
+# A few rows of logits are ~50K values a row; torch splits an op that size over its
+# OpenMP threads, and each op first wakes a sleeping thread, which can cost more than the
+# op on one thread. Zen 5 pair, the default model (49,152-token vocabulary), temperature
+# 0.8, paired A/Bs (10 pairs each): one request served 0.950-0.964x the ITL in three runs,
+# two offline 0.968x the time a step, four offline 1.031x (two threads win again);
+# greedy unchanged (its one op, logits to float32, is cheaper).
+SMALL_OP_VALUES = 1 << 17
+
+
+@contextlib.contextmanager
+def small_ops_on_this_thread(tensor: torch.Tensor) -> Iterator[None]:
+    """torch's ops inside, on the calling thread, run on it alone if `tensor`, what they
+    work on, is a CPU tensor of at most SMALL_OP_VALUES values (our C++ kernels follow
+    torch's thread count too: call them outside); the count comes back on exit.
+
+    torch.set_num_threads sets the calling thread's OpenMP and MKL counts (MKL's vector
+    math, e.g. log, has threads of its own: setting OpenMP's count alone gained half as
+    much) and the count a thread takes the first time it asks for one (an op that may
+    go parallel, a kernel): a thread that has asked keeps its own meanwhile, one that
+    first asks inside keeps 1."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1 or not tensor.is_cpu or tensor.numel() > SMALL_OP_VALUES:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -49,6 +49,7 @@ from engine.models.llama import DecoderAttention, layer_sliding_window
 from engine.models.rotary import RotaryEmbedding
 from engine.models.siglip import SiglipVisionTransformer, as_int
 from engine.models.weight_utils import load_named_weights
+from engine.openmp import small_ops_on_this_thread
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -139,9 +140,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states)
         cap = self.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        with small_ops_on_this_thread(logits):
+            logits = logits.float()
+            return logits if not cap else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         load_named_weights(self, language_model_weights(weights),

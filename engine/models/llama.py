@@ -36,6 +36,7 @@ from engine.models.layers import (
 )
 from engine.models.rotary import RotaryEmbedding, apply_rotary_qk
 from engine.models.weight_utils import load_named_weights
+from engine.openmp import small_ops_on_this_thread
 
 
 def head_size_of(config: Any) -> int:
@@ -212,7 +213,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32."""
-        return self.lm_head(hidden_states).float()
+        logits = self.lm_head(hidden_states)
+        with small_ops_on_this_thread(logits):
+            return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from (HF checkpoint name, tensor) pairs, streamed.

@@ -35,6 +35,7 @@ from engine.distributed.parallel_state import get_tp_group, whole_model_on_each_
 from engine.kv_cache.groups import KVCacheGroupSpec
 from engine.kv_cache.manager import cdiv
 from engine.lora.manager import LoRAModelManager
+from engine.openmp import small_ops_on_this_thread
 from engine.outputs import Logprobs, ModelRunnerOutput
 from engine.pooling_params import PoolingParams
 from engine.sample import Sampler, SamplingMetadata, SamplingState, compute_prompt_logprobs
@@ -566,9 +567,10 @@ class ModelRunner:
             return sampled_token_ids, {}
         logits = self._compute_logits(inputs, hidden_states)
         sample_rows, metadata = inputs.sample_rows, inputs.sampling_metadata
-        if grammar is not None:
-            self._set_grammar_rows(metadata, grammar, inputs)
-        output = self.sampler(logits, metadata)
+        with small_ops_on_this_thread(logits):
+            if grammar is not None:
+                self._set_grammar_rows(metadata, grammar, inputs)
+            output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids
         sampled = sampled.numpy() if sampled.is_cpu else sampled.cpu().numpy()
         # Bookkeeping of the sampled tokens, for all rows at once (rows are distinct):
@@ -614,9 +616,10 @@ class ModelRunner:
         logits = self._compute_logits(inputs, hidden_states)
         metadata, drafts = inputs.sampling_metadata, inputs.drafts
         num_rows, starts = drafts.num_rows, drafts.starts
-        if grammar is not None:
-            self._set_grammar_rows(metadata, grammar, inputs)
-        verified = self.draft_verifier(logits, metadata, drafts.draft_token_ids, num_rows)
+        with small_ops_on_this_thread(logits):
+            if grammar is not None:
+                self._set_grammar_rows(metadata, grammar, inputs)
+            verified = self.draft_verifier(logits, metadata, drafts.draft_token_ids, num_rows)
         emitted, num_accepted = verified.emitted_token_ids, verified.num_accepted
         tp_group = get_tp_group()
         if tp_group.size > 1:  # rank 0's random draws decide, as with FirstRankSampler
