@@ -156,6 +156,14 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+# RotaryEmbedding's CPU tables cover positions below this; later ones are computed.
+TABLE_ROWS_MAX = 1 << 14
+
+
+def _largest(positions: torch.Tensor) -> int:
+    return int(positions.numpy().max()) if positions.numel() else 0
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for given positions; `apply_rotary` rotates q or k with them.
 
@@ -170,6 +178,8 @@ class RotaryEmbedding(nn.Module):
             params, self.rotary_dim, max_position_embeddings
         )
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self._table_rows = 0  # _rows_of_tables: no table yet
+        self._cos_table = self._sin_table = torch.empty(0)
 
     @classmethod
     def from_config(cls, config: Any, head_size: int,
@@ -177,9 +187,28 @@ class RotaryEmbedding(nn.Module):
         return cls(head_size, config.max_position_embeddings, rope_parameters(config, layer_type))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.is_cpu and (largest := _largest(positions)) < TABLE_ROWS_MAX:
+            return self._rows_of_tables(positions, largest)
+        return self._compute(positions)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def _rows_of_tables(self, positions: torch.Tensor, largest: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU: the rows of cos/sin tables of positions 0..n-1, computed by `_compute`
+        (elementwise ops: the same values to the bit). A CPU step's small torch ops run
+        with caches just emptied by the weights streamed through them, ~20 us each: two
+        lookups cost less than the seven ops of `_compute`. The tables grow to the next
+        power of two past the largest position asked for. Example: positions [0..149]
+        of a prompt -> 256 rows; a decode at position 300 later -> 512 rows (at most
+        TABLE_ROWS_MAX: 16 MB for head size 128)."""
+        if largest >= self._table_rows:
+            self._table_rows = 1 << largest.bit_length()
+            self._cos_table, self._sin_table = self._compute(torch.arange(self._table_rows))
+        return self._cos_table[positions], self._sin_table[positions]
 
 
 def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -112,6 +112,26 @@ def test_longrope_matches_hf(max_position_embeddings):
     assert (hf_factor > 1.0) == (max_position_embeddings > 128)
 
 
+def test_rotary_tables_give_the_computed_values_to_the_bit():
+    """On the CPU cos/sin come from tables of positions 0..n-1 that grow by powers of
+    two; positions past TABLE_ROWS_MAX are computed. Every answer equals the direct
+    computation bit for bit (YaRN's attention factor included)."""
+    from engine.models import rotary
+
+    config = tiny_config("llama", max_position_embeddings=4096, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    rope = load_model_class_rotary(config)
+    assert rope.attention_factor != 1.0
+    asked = [torch.arange(150), torch.tensor([300]), torch.tensor([7, 2000, 3]),
+             torch.tensor([], dtype=torch.long), torch.tensor([rotary.TABLE_ROWS_MAX + 5])]
+    rows_after = [256, 512, 2048, 2048, 2048]
+    for positions, rows in zip(asked, rows_after, strict=True):
+        cos, sin = rope(positions)
+        want_cos, want_sin = rope._compute(positions)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert cos.is_contiguous() and rope._table_rows == rows
+
+
 def load_model_class_rotary(config):
     from engine.models.rotary import RotaryEmbedding
 
