@@ -396,9 +396,16 @@ class SocketClient(AsyncEngineCoreClient):
                 self.check_alive()
 
     async def _next_message(self) -> CoreMessage:
-        while not await self._output.poll(_DEATH_POLL_MS):
-            self.check_alive()
-        return self._codec.decode(await self._output.recv())
+        # A message already queued is taken at once (a NOBLOCK recv returns a finished
+        # future): no poll, no wait registered with the event loop. Else poll until one
+        # comes, checking the core between polls.
+        while True:
+            try:
+                return self._codec.decode(await self._output.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+            while not await self._output.poll(_DEATH_POLL_MS):
+                self.check_alive()
 
 
 class AsyncMPClient(SocketClient):
