@@ -7,6 +7,8 @@ feature flags and the cores this process is allowed, never tuned to one machine.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import math
 import os
@@ -24,6 +26,16 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, for the memory calls Python does not wrap (glibc's malloc_trim,
+    madvise); None where it cannot be loaded. A call a libc lacks raises AttributeError."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 @functools.cache

@@ -178,13 +178,9 @@ def load_summary(gguf_report, report: QuantizationReport, dense_bytes: int,
 def _return_freed_memory() -> None:
     """Hand the heap that loading freed (repacking's temporaries) back to the OS: glibc
     keeps freed arenas otherwise, and the process's RSS would count them for its life."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
+    libc = cpu_info.libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
 
 def _packs_gguf(quantization: str, device: torch.device | str) -> tuple[bool, str]:

@@ -22,7 +22,6 @@ copy with room to spare.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -110,8 +109,6 @@ def _aligned(size: int) -> int:
 def _advise_huge_pages(address: int, length: int) -> None:
     """Ask for transparent huge pages over [address, address + length) (Linux; a no-op
     where madvise is missing or refuses)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = cpu_info.libc()
+    if libc is not None and hasattr(libc, "madvise"):
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
