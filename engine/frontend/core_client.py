@@ -368,14 +368,14 @@ class SocketClient(AsyncEngineCoreClient):
         exited), or a timeout. Shuts this client down before raising."""
         deadline = time.monotonic() + startup_timeout_s
         try:
-            while not await self._output.poll(_POLL_MS):
+            while not await self._output_ready(_POLL_MS / 1000):
                 error = gone()
                 if error is not None:
                     raise error
                 if time.monotonic() > deadline:
                     raise EngineStartupError(
                         f"the engine core did not start within {startup_timeout_s:.0f} s")
-            message = self._codec.decode(await self._output.recv())
+            message = self._codec.decode(self._plain().recv(zmq.NOBLOCK))
             self.kv_cache_info = _CoreProcess.handle_startup_message(message)
         except BaseException:
             self.shutdown()
@@ -397,39 +397,46 @@ class SocketClient(AsyncEngineCoreClient):
                 self.check_alive()
 
     async def _next_message(self) -> CoreMessage:
-        # Plain (non-asyncio) calls on the same socket, and the event loop watching its
-        # descriptor: pyzmq's asyncio layer spends several futures and callbacks on each
-        # message (the frontend's CPU a token ~9% lower without it). ZMQ_FD only signals
-        # changes: after a recv finds nothing, ZMQ_EVENTS says whether a message came
-        # meanwhile (and re-arms the descriptor) before the wait; a missed signal would
-        # still be read after the wait's timeout, when the core is checked.
-        plain = self._plain_output
-        if plain is None:
-            plain = self._plain_output = zmq.Socket.shadow(self._output.underlying)
         while True:
             try:
-                return self._codec.decode(plain.recv(zmq.NOBLOCK))
+                return self._codec.decode(self._plain().recv(zmq.NOBLOCK))
             except zmq.Again:
                 pass
-            if plain.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                continue
-            if not await _readable(plain.getsockopt(zmq.FD), _DEATH_POLL_MS / 1000):
+            if not await self._output_ready(_DEATH_POLL_MS / 1000):
                 self.check_alive()
 
+    def _plain(self) -> zmq.Socket:
+        """`_output` for plain (non-asyncio) calls: the same socket."""
+        if self._plain_output is None:
+            self._plain_output = zmq.Socket.shadow(self._output.underlying)
+        return self._plain_output
 
-async def _readable(fd: int, timeout_s: float) -> bool:
-    """Whether `fd` became readable within `timeout_s`."""
+    async def _output_ready(self, timeout_s: float) -> bool:
+        """Whether a message waits on `_output`, now or within `timeout_s`. Plain zmq calls
+        and the event loop watching the socket's descriptor, not pyzmq's asyncio layer
+        (its futures and callbacks cost the frontend ~9% of its CPU a token). ZMQ_FD only
+        signals changes: ZMQ_EVENTS says whether a message is queued (and re-arms the
+        descriptor), before the wait and after it."""
+        plain = self._plain()
+        if plain.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return True
+        await _wait_readable(plain.getsockopt(zmq.FD), timeout_s)
+        return bool(plain.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+async def _wait_readable(fd: int, timeout_s: float) -> None:
+    """Return once `fd` is readable, or after `timeout_s`."""
     loop = asyncio.get_running_loop()
-    ready = loop.create_future()
+    done = loop.create_future()
 
-    def settle(value: bool) -> None:
-        if not ready.done():
-            ready.set_result(value)
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
 
-    loop.add_reader(fd, settle, True)
-    timer = loop.call_later(timeout_s, settle, False)
+    loop.add_reader(fd, settle)
+    timer = loop.call_later(timeout_s, settle)
     try:
-        return await ready
+        await done
     finally:
         loop.remove_reader(fd)
         timer.cancel()
