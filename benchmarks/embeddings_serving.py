@@ -18,8 +18,11 @@ docs/embeddings.md tells users to run them. 8 chat clients (benchmarks.serve: ra
 embedding calls without pause, in ABBA order; reported: chat ITL p50 both ways, its rise, and
 the embedding inputs/s reached under chat load; then the same beside a control, a SCHED_IDLE
 Python busy loop (no embeddings at all). `--embedder-priority` runs the embedder at
-the default priority (`normal`), under `nice -n 19` (`nice`) or as SCHED_IDLE (`idle`:
-`chrt --idle 0`, CPU only when nothing else wants it); each value is one row.
+the default priority (`normal`), under `nice -n 19` (`nice`), as SCHED_IDLE (`idle`:
+`chrt --idle 0`, CPU only when nothing else wants it) or taking turns with the chat server
+(`turns`: both started with `--cpu-turns`, the embedder with `--cpu-turns-share
+--turns-share` and `--max-num-batched-tokens --turns-step-tokens`, engine/core/cpu_turns.py);
+each value is one row. Chat ITL mean and p90 are reported beside the p50.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ from benchmarks.peers.make_bench_gguf import DEFAULT_TREE
 
 SERVERS = ("pagedserve", "pagedserve-gguf", "llamacpp")
 # How the embedder server is started beside the chat model (part 2).
-PRIORITY_COMMANDS = {"normal": [], "nice": ["nice", "-n", "19"], "idle": ["chrt", "--idle", "0"]}
+PRIORITY_COMMANDS = {"normal": [], "nice": ["nice", "-n", "19"], "idle": ["chrt", "--idle", "0"],
+                     "turns": []}
+TURNS_GROUP = "embeddings-serving-bench"
 
 
 def gguf_for(model_dir: Path, gguf_type: str, cache: Path) -> Path:
@@ -71,8 +76,11 @@ def server_command(args: argparse.Namespace, name: str, model: Path, port: int,
     loopback = ["--host", "127.0.0.1", "--port", str(port)]
     niced = PRIORITY_COMMANDS[priority]
     if name.startswith("pagedserve"):
+        turns = (["--cpu-turns", TURNS_GROUP, "--cpu-turns-share", str(args.turns_share),
+                  "--max-num-batched-tokens", str(args.turns_step_tokens)]
+                 if priority == "turns" else [])
         return [*niced, sys.executable, "-m", "server", "serve", "--model", str(model),
-                "--dtype", args.dtype, *loopback, *args.pagedserve_args]
+                "--dtype", args.dtype, *loopback, *turns, *args.pagedserve_args]
     # One slot per input of the widest batch, each able to hold a whole sentence; a
     # non-causal embedding needs its whole input in one micro-batch (-ub).
     slots = max(args.batch_sizes)
@@ -175,8 +183,10 @@ class EmbeddingLoad:
         self.inputs = self._counter.value
 
 
-def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: str) -> float:
-    """Median inter-token latency (ms) of `args.chat_clients` streaming chat clients."""
+def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: str
+                ) -> dict[str, float]:
+    """Inter-token latency (ms: median, mean, p90) of `args.chat_clients` streaming chat
+    clients."""
     result = Path(args.result_dir) / f"chat-{label}.json"
     argv = ["--base-url", base_url, "--endpoint", "chat", "--tokenizer", tokenizer,
             "--dataset", "random", "--random-input-len", "128", "--random-output-len", "128",
@@ -185,8 +195,8 @@ def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: 
             "--seed", "0", "--label", label, "--disable-tqdm", "--result-file", str(result)]
     if bench_serve.main(argv) != 0:
         raise RuntimeError(f"chat run {label} failed")
-    metrics = json.loads(result.read_text())["metrics"]
-    return float(metrics["itl_ms"]["median"])
+    itl = json.loads(result.read_text())["metrics"]["itl_ms"]
+    return {key: float(itl[key]) for key in ("median", "mean", "p90")}
 
 
 class BusyLoop:
@@ -207,7 +217,8 @@ class BusyLoop:
 
 def itl_beside(args: argparse.Namespace, chat_url: str, chat_dir: str, name: str,
                make_load) -> dict:
-    """Chat ITL p50 alone and beside `make_load()`, in ABBA order; the load's inputs/s."""
+    """Chat ITL (p50, mean, p90) alone and beside `make_load()`, in ABBA order; the load's
+    inputs/s."""
     alone, beside, rates = [], [], []
     for index, with_load in enumerate((False, True, True, False)):
         label = f"{name}-run{index + 1}-{'beside' if with_load else 'alone'}"
@@ -218,12 +229,18 @@ def itl_beside(args: argparse.Namespace, chat_url: str, chat_dir: str, name: str
             time.sleep(2.0)  # the load is running before the chat clients start
             beside.append(chat_itl_ms(args, chat_url, chat_dir, label))
         rates.append(load.inputs / load.seconds)
-    row = {"beside": name, "itl_p50_alone_ms": statistics.mean(alone),
-           "itl_p50_beside_ms": statistics.mean(beside),
-           "rise": statistics.mean(beside) / statistics.mean(alone) - 1,
-           "embedding_inputs_per_s_beside": statistics.mean(rates)}
+    row: dict = {"beside": name}
+    for key, label in (("median", "p50"), ("mean", "mean"), ("p90", "p90")):
+        row[f"itl_{label}_alone_ms"] = statistics.mean(run[key] for run in alone)
+        row[f"itl_{label}_beside_ms"] = statistics.mean(run[key] for run in beside)
+    row["rise"] = row["itl_p50_beside_ms"] / row["itl_p50_alone_ms"] - 1
+    row["mean_rise"] = row["itl_mean_beside_ms"] / row["itl_mean_alone_ms"] - 1
+    row["p90_rise"] = row["itl_p90_beside_ms"] / row["itl_p90_alone_ms"] - 1
+    row["embedding_inputs_per_s_beside"] = statistics.mean(rates)
     print(f"[chat load] beside {name}: ITL p50 {row['itl_p50_alone_ms']:.2f} ms alone, "
-          f"{row['itl_p50_beside_ms']:.2f} ms beside ({row['rise']:+.0%}); embeddings "
+          f"{row['itl_p50_beside_ms']:.2f} ms beside ({row['rise']:+.0%}); mean "
+          f"{row['mean_rise']:+.0%}, p90 {row['itl_p90_alone_ms']:.2f} -> "
+          f"{row['itl_p90_beside_ms']:.2f} ms ({row['p90_rise']:+.0%}); embeddings "
           f"{row['embedding_inputs_per_s_beside']:.1f} inputs/s meanwhile", flush=True)
     return row
 
@@ -235,6 +252,8 @@ def chat_load(args: argparse.Namespace, embedder: Path, sentences: list[str]) ->
     chat_port, embed_port = args.port, args.port + 1
     chat_command = [sys.executable, "-m", "server", "serve", "--model", chat_dir,
                     "--dtype", args.chat_dtype, "--host", "127.0.0.1", "--port", str(chat_port)]
+    if "turns" in args.embedder_priority:  # the foreground of the group (costs ~nothing alone)
+        chat_command += ["--cpu-turns", TURNS_GROUP]
     log_dir = Path(args.result_dir)
     rows = []
     with running(chat_command, chat_port, log_dir / "chat.log",
@@ -245,7 +264,9 @@ def chat_load(args: argparse.Namespace, embedder: Path, sentences: list[str]) ->
                          args.startup_timeout) as embed_url:
                 rows.append(itl_beside(args, chat_url, chat_dir, f"embedder ({priority})",
                                        lambda url=embed_url: EmbeddingLoad(url, sentences)))
-        rows.append(itl_beside(args, chat_url, chat_dir, "idle busy loop (control)", BusyLoop))
+        if args.control:
+            rows.append(itl_beside(args, chat_url, chat_dir, "idle busy loop (control)",
+                                   BusyLoop))
     return rows
 
 
@@ -266,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-clients", type=int, default=8)
     parser.add_argument("--embedder-priority", nargs="+", choices=list(PRIORITY_COMMANDS),
                         default=list(PRIORITY_COMMANDS))
+    parser.add_argument("--turns-share", type=float, default=0.2,
+                        help="`turns`: the embedder's --cpu-turns-share")
+    parser.add_argument("--turns-step-tokens", type=int, default=256,
+                        help="`turns`: the embedder's --max-num-batched-tokens")
+    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                        help="part 2's busy-loop control row")
     parser.add_argument("--port", type=int, default=18400)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--result-dir", default="results/embeddings_serving")

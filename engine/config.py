@@ -128,6 +128,24 @@ def fraction(text: str) -> float:
     return value
 
 
+def open_fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
+# --cpu-turns NAME names a file (engine/core/cpu_turns.py).
+CPU_TURNS_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def cpu_turns_name(text: str) -> str:
+    if not CPU_TURNS_NAME_RE.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use 1-64 letters, digits, '_', '.' or '-'")
+    return text
+
+
 def seconds(text: str) -> float:
     value = float(text)
     if not value >= 0.0 or value == float("inf"):
@@ -476,6 +494,17 @@ class DeviceConfig:
         "'shared' (the core computes on all of them) or 'split' (the first CPU is kept for "
         "the frontend, the core is pinned to the others, as vLLM does).", group="parallel",
         choices=("shared", "split"))
+    # engine/core/cpu_turns.py: servers on the same cores whose steps never overlap.
+    cpu_turns: str | None = option(
+        None, "--cpu-turns", "Take turns on this host's CPUs with the other servers started "
+        "with the same --cpu-turns NAME (e.g. a chat model and an embedder): their engine "
+        "steps never overlap. Default: off.", group="parallel", type=cpu_turns_name)
+    cpu_turns_share: float | None = option(
+        None, "--cpu-turns-share", "With --cpu-turns: this server runs in the background "
+        "(embeddings, batch work): while a server of the group without this flag has "
+        "requests, this one's steps take at most this share of the time (e.g. 0.2); keep "
+        "its steps short with --max-num-batched-tokens. Default: a foreground server.",
+        group="parallel", type=open_fraction)
 
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
@@ -612,6 +641,12 @@ class EngineConfig:
         if self.lora_config.enable_lora and self.parallel_config.tensor_parallel_size > 1:
             raise ValueError("--enable-lora does not run with --tensor-parallel-size > 1 yet "
                              "(the adapters' B matrices are not sharded)")
+        device = self.device_config
+        if device.cpu_turns_share is not None and device.cpu_turns is None:
+            raise ValueError("--cpu-turns-share needs --cpu-turns NAME (the group it shares)")
+        if device.cpu_turns is not None and self.scheduler_config.async_scheduling:
+            raise ValueError("--cpu-turns does not run with --async-scheduling (a step's "
+                             "model work would run past its turn)")
 
     @classmethod
     def from_options(cls, model: str, served_model_name: str | None = None,

@@ -34,6 +34,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.core import EngineCore
+from engine.core.cpu_turns import CpuTurns
 from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     UTILITY_METHODS,
@@ -107,11 +108,14 @@ class EngineCoreProc:
     `send` is called from the loop's thread; it must not block for long.
     """
 
-    def __init__(self, core: EngineCore, send: Callable[[CoreMessage], None]):
+    def __init__(self, core: EngineCore, send: Callable[[CoreMessage], None],
+                 cpu_turns: CpuTurns | None = None):
         self.core = core
         self.input_queue: queue.Queue[FrontendMessage] = queue.Queue()
         self._send = send
         self._running = True
+        # --cpu-turns: each step holds this host's CPUs against the group's other servers.
+        self.cpu_turns = cpu_turns
 
     def run_busy_loop(self) -> None:
         """Loop until Shutdown. Raises if a step fails beyond one request's error."""
@@ -140,7 +144,11 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         steps_before = (self.core.num_steps, self.core.num_steps_applied)
-        outputs = self.core.step()
+        if self.cpu_turns is None:
+            outputs = self.core.step()
+        else:
+            with self.cpu_turns.turn():
+                outputs = self.core.step()
         if outputs.outputs or (self.core.num_steps, self.core.num_steps_applied) != steps_before:
             self._send(Outputs(outputs))
             return
@@ -207,6 +215,14 @@ class EngineCoreProc:
         except Exception as exc:  # noqa: BLE001 - a viewer's bug must not stop serving
             logger.exception("x-ray snapshot failed")
             return XrayResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+def join_cpu_turns(config: EngineConfig) -> CpuTurns | None:
+    """This server's seat in its --cpu-turns group, if it has one."""
+    device = config.device_config
+    if device.cpu_turns is None:
+        return None
+    return CpuTurns(device.cpu_turns, device.cpu_turns_share)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -298,7 +314,7 @@ def run_engine_core(
     freeze_startup_heap()
 
     output_queue: queue.Queue[CoreMessage | None] = queue.Queue()
-    proc = EngineCoreProc(core, output_queue.put)
+    proc = EngineCoreProc(core, output_queue.put, join_cpu_turns(config))
 
     def send_outputs() -> None:
         out_codec = core_codec()

@@ -32,9 +32,11 @@ from engine.core.core_proc import (
     EngineCoreProc,
     build_engine_core,
     freeze_startup_heap,
+    join_cpu_turns,
     prepare_core_process,
     run_until_stopped,
 )
+from engine.core.cpu_turns import CpuTurns
 from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     AbortRequests,
@@ -96,8 +98,8 @@ class SharedEngineCoreProc(EngineCoreProc):
     """
 
     def __init__(self, core: EngineCore, send: Callable[[ToFrontend], None],
-                 num_frontends: int):
-        super().__init__(core, self._route)
+                 num_frontends: int, cpu_turns: CpuTurns | None = None):
+        super().__init__(core, self._route, cpu_turns)
         self._send_to = send
         self.num_frontends = num_frontends
         self.owners: dict[str, int] = {}  # req_id -> index of the frontend that added it
@@ -208,7 +210,8 @@ def run_shared_engine_core(
     freeze_startup_heap()
 
     output_queue: queue.Queue[ToFrontend | None] = queue.Queue()
-    proc = SharedEngineCoreProc(core, output_queue.put, len(output_sockets))
+    proc = SharedEngineCoreProc(core, output_queue.put, len(output_sockets),
+                                join_cpu_turns(config))
 
     def send_outputs() -> None:
         out_codec = core_codec()

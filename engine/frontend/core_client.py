@@ -43,6 +43,7 @@ from engine.core.core import EngineCore
 from engine.core.core_proc import (
     EngineCoreProc,
     build_engine_core,
+    join_cpu_turns,
     run_engine_core,
 )
 from engine.executor.abstract import Executor, ExecutorSpec
@@ -489,7 +490,7 @@ class AsyncThreadClient(AsyncEngineCoreClient):
         def send(message: CoreMessage) -> None:
             loop.call_soon_threadsafe(self._outputs.put_nowait, message)
 
-        self._proc = EngineCoreProc(core, send)
+        self._proc = EngineCoreProc(core, send, join_cpu_turns(core.config))
         self._thread = threading.Thread(target=self._run, args=(send,), daemon=True,
                                         name="engine-core")
         self._thread.start()

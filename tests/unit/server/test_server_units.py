@@ -33,7 +33,7 @@ REQUIRED_FLAGS = [
     "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
     "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--dtype", "--device", "--attention-backend", "--allowed-origins", "--log-level", "--seed",
-    "--quantization", "--cpu-threads", "--cpu-layout",
+    "--quantization", "--cpu-threads", "--cpu-layout", "--cpu-turns", "--cpu-turns-share",
 ]
 
 
