@@ -181,6 +181,8 @@ class EmbeddingLoad:
         self._process.join()
         self.seconds = time.perf_counter() - self._start
         self.inputs = self._counter.value
+        if self._process.exitcode != 0:  # a rate of 0 inputs/s must not pass as a figure
+            raise RuntimeError("the embedding client failed (its traceback is above)")
 
 
 def chat_itl_ms(args: argparse.Namespace, base_url: str, tokenizer: str, label: str

@@ -135,6 +135,13 @@ class Worker:
             seq_len = read_pooling_config(model_dir, hf_overrides).max_seq_length
             if seq_len is not None:  # where sentence-transformers truncates
                 self.max_model_len = min(self.max_model_len, seq_len)
+        budget = config.scheduler_config.max_num_batched_tokens
+        if getattr(model, "is_pooling_model", False) and self.max_model_len > budget:
+            # A pooling input is computed in one step: a longer one could never run, so it
+            # is refused like any input past the context (a 400 naming the limit).
+            logger.info("max_model_len %d -> %d: a pooling input is computed in one step "
+                        "(--max-num-batched-tokens)", self.max_model_len, budget)
+            self.max_model_len = budget
         self.vocab_size = text_config.vocab_size
         block_size = config.cache_config.block_size
         self.backend = select_attention_backend(config.device_config.attention_backend, device,

@@ -110,3 +110,20 @@ def test_minilm_through_the_engine_matches_sentence_transformers(minilm_dir, mon
         assert vector.shape == (384,)
         cosine = float(vector @ expected / np.linalg.norm(vector) / np.linalg.norm(expected))
         assert cosine >= min_cosine, cosine
+
+
+def test_an_encoders_context_is_capped_at_the_step_token_budget(tiny_bert):
+    """An encoder's input is computed in one step: with a step budget under the context,
+    a longer input is refused as past the context (a 400 over HTTP), never left waiting or
+    failed in the engine."""
+    from engine import LLM
+
+    path, _ = tiny_bert
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16)
+    try:
+        assert llm.max_model_len == 16
+        assert len(llm.embed([list(range(1, 17))], use_tqdm=False)[0].pooled) == 32  # fits
+        with pytest.raises(ValueError, match="maximum context length"):
+            llm.embed([list(range(1, 18))], use_tqdm=False)
+    finally:
+        llm.shutdown()
