@@ -124,6 +124,9 @@ class SchedulerStats:
     mm_images_encoded: int = 0
     mm_encoder_cache_hits: int = 0
     mm_encoder_seconds: float = 0.0
+    # --cpu-turns (engine/core/cpu_turns.py): seconds this engine waited for its turn on
+    # the CPUs since the last stats.
+    cpu_turns_wait_seconds: float = 0.0
 
 
 @dataclass

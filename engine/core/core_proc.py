@@ -149,6 +149,8 @@ class EngineCoreProc:
         else:
             with self.cpu_turns.turn():
                 outputs = self.core.step()
+            if outputs.scheduler_stats is not None:
+                outputs.scheduler_stats.cpu_turns_wait_seconds = self.cpu_turns.take_waited_s()
         if outputs.outputs or (self.core.num_steps, self.core.num_steps_applied) != steps_before:
             self._send(Outputs(outputs))
             return

@@ -10,21 +10,22 @@ core was idle). Taking turns, their steps never overlap:
     background (embed):                     | one step |             (waits its budget)
 
 Every server started with the same `--cpu-turns NAME` on a host holds one lock (`flock` on
-a small file in /dev/shm) for the length of each step. A foreground server (the default)
-takes the lock for each step, and after a step hands it over if a background server waits.
-A background server (`--cpu-turns-share F`) runs its steps freely while no foreground server
-has work; while one has (it stepped in the last FOREGROUND_LEASE_S), after a step of d
-seconds it waits d * (1 - F) / F before asking again, so its steps take at most F of the
-time. So at F = 0.2 a 10 ms chat step rises by 2.5 ms on average; a single background step
-is never cut, so keep its steps short (`--max-num-batched-tokens`).
+a small file in /dev/shm) for the length of each step. A server that finds the lock taken
+marks itself waiting and looks again every WAITING_POLL_S; the holder, after its step, lets
+a waiting server take the lock before its own next step (so two busy servers alternate).
+A background server (`--cpu-turns-share F`) steps freely while no foreground server has
+work; while one has (it stepped in the last FOREGROUND_LEASE_S), after a step of d seconds
+it waits d * (1 - F) / F before asking again, so its steps take at most F of the time. At
+F = 0.2 a 10 ms chat step rises by 2.5 ms on average; a single background step is never
+cut, so keep its steps short (`--max-num-batched-tokens`).
 
-The lock dies with its holder (flock), and every wait on the other side has a time limit:
+The lock dies with its holder (flock), and every wait on another server has a time limit:
 a server that crashes mid-step never blocks the others.
 
-The shared page holds three numbers, written with single 8-byte stores:
-    [0] foreground_busy_until  time.monotonic() until which a foreground server has work
-    [1] background_waiting_at  when a background server last looked for its turn (0: none)
-    [2] background_turns       turns taken by background servers (written under the lock)
+The shared page holds three numbers, each written with one 8-byte store:
+    float64 [0] busy_until   time.monotonic() until which a foreground server has work
+    float64 [1] waiting_at   when a server last found the lock taken (0: it got it since)
+    int64   [2] turns        turns taken by the group (written under the lock)
 """
 
 from __future__ import annotations
@@ -42,16 +43,16 @@ from engine.config import CPU_TURNS_NAME_RE
 
 # A foreground server counts as busy this long after its last step.
 FOREGROUND_LEASE_S = 0.25
-# A background server looks for its turn this often while a foreground step runs...
-BACKGROUND_POLL_S = 0.0002
-# ...and the foreground server counts it as waiting while it looked this recently.
+# A server waiting for the lock looks again this often...
+WAITING_POLL_S = 0.0002
+# ...and the holder counts it as waiting while it looked this recently.
 WAITING_FRESH_S = 0.005
-# How long a foreground server waits for a waiting background server to take the lock.
+# How long the holder, done with its step, waits for a waiting server to take the lock.
 HANDOFF_TIMEOUT_S = 0.005
 HANDOFF_POLL_S = 0.00005
 
 _BUSY_UNTIL, _WAITING_AT = 0, 1  # float64 slots
-_TURNS = 2  # int64 slot
+_TURNS = 0  # the int64 slot
 
 
 def turns_path(name: str) -> Path:
@@ -65,7 +66,7 @@ def turns_path(name: str) -> Path:
 
 class CpuTurns:
     """One server's seat in a group (module doc). `turn()` wraps each engine step; one
-    thread (the busy loop's) uses it. `waited_s` sums the time this server waited."""
+    thread (the busy loop's) uses it."""
 
     def __init__(self, name: str, background_share: float | None = None):
         if background_share is not None and not 0.0 < background_share < 1.0:
@@ -80,7 +81,7 @@ class CpuTurns:
         self._times = memoryview(self._page)[:16].cast("d")
         self._turns = memoryview(self._page)[16:24].cast("q")
         self._next_turn_at = 0.0  # background: when its budget allows the next step
-        self.waited_s = 0.0
+        self._waited_s = 0.0  # since take_waited_s()
         self.turns = 0
 
     @property
@@ -90,56 +91,54 @@ class CpuTurns:
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the group's CPUs for one step."""
-        turn = self._background_turn() if self.is_background else self._foreground_turn()
-        with turn:
-            self.turns += 1
-            yield
-
-    @contextlib.contextmanager
-    def _foreground_turn(self) -> Iterator[None]:
-        waited_from = time.monotonic()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)  # a background step in progress ends first
-        self.waited_s += time.monotonic() - waited_from
+        waited_from = now = time.monotonic()
+        if self.is_background and now < self._next_turn_at and now < self._times[_BUSY_UNTIL]:
+            time.sleep(self._next_turn_at - now)  # the budget: see the module doc
+        self._lock()
+        self._turns[_TURNS] += 1  # under the lock: no other writer
+        self.turns += 1
+        started = time.monotonic()
+        self._waited_s += started - waited_from
         try:
             yield
         finally:
-            now = time.monotonic()
-            self._times[_BUSY_UNTIL] = now + FOREGROUND_LEASE_S
-            background_waits = now - self._times[_WAITING_AT] < WAITING_FRESH_S
-            taken = self._turns[0]
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            if background_waits:
-                # Without this wait the next step would take the lock again before the
-                # waiting server's next look; it then waits out that server's step.
-                deadline = now + HANDOFF_TIMEOUT_S
-                while self._turns[0] == taken and time.monotonic() < deadline:
-                    time.sleep(HANDOFF_POLL_S)
+            self._hand_over(started)
 
-    @contextlib.contextmanager
-    def _background_turn(self) -> Iterator[None]:
-        waited_from = now = time.monotonic()
-        if now < self._next_turn_at and now < self._times[_BUSY_UNTIL]:
-            time.sleep(self._next_turn_at - now)  # the budget: see the module doc
+    def _lock(self) -> None:
+        """Take the lock, showing the holder that this server waits (module doc)."""
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 self._times[_WAITING_AT] = time.monotonic()
-                time.sleep(BACKGROUND_POLL_S)
-        self._times[_WAITING_AT] = 0.0
-        self._turns[0] += 1
-        started = time.monotonic()
-        self.waited_s += started - waited_from
-        try:
-            yield
-        finally:
-            ended = time.monotonic()
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+                time.sleep(WAITING_POLL_S)
+        self._times[_WAITING_AT] = 0.0  # a server still waiting marks itself again
+
+    def _hand_over(self, started: float) -> None:
+        """Release the lock after a step begun at `started`. If another server waits, let it
+        take the lock before this one's next step can (flock is not first come, first
+        served: the releasing server would most often take it straight back)."""
+        ended = time.monotonic()
+        if not self.is_background:
+            self._times[_BUSY_UNTIL] = ended + FOREGROUND_LEASE_S
+        someone_waits = ended - self._times[_WAITING_AT] < WAITING_FRESH_S
+        taken = self._turns[_TURNS]
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if someone_waits:
+            deadline = ended + HANDOFF_TIMEOUT_S
+            while self._turns[_TURNS] == taken and time.monotonic() < deadline:
+                time.sleep(HANDOFF_POLL_S)
+        if self.is_background:
             share = self.background_share
             foreground_busy = ended < self._times[_BUSY_UNTIL]
             self._next_turn_at = (ended + (ended - started) * (1.0 - share) / share
                                   if foreground_busy else ended)
+
+    def take_waited_s(self) -> float:
+        """Seconds spent waiting for turns since the last call."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
 
     def close(self) -> None:
         """Leave the group (the file stays for the others; it holds no lock after this)."""

@@ -191,6 +191,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step (prefill and decode).",
             TOKEN_COUNT_BUCKETS)
+        self.cpu_turns_wait = counter(
+            "cpu_turns_wait_seconds_total", "Seconds the engine waited for its turn on the "
+            "CPUs (--cpu-turns).")
         self.step_duration = histogram(
             "step_duration_seconds", "Duration of an engine step (schedule, model, update).",
             TOKEN_LATENCY_BUCKETS_S)
@@ -366,6 +369,8 @@ class ServerMetrics:
             self.mm_images_encoded.inc(stats.mm_images_encoded)
             self.mm_encoder_cache_hits.inc(stats.mm_encoder_cache_hits)
             self.mm_encoder_seconds.inc(stats.mm_encoder_seconds)
+        if stats.cpu_turns_wait_seconds:
+            self.cpu_turns_wait.inc(stats.cpu_turns_wait_seconds)
         if stats.num_scheduled_tokens > 0:  # idle reports and failed steps computed nothing
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_duration_s)

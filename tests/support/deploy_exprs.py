@@ -57,6 +57,7 @@ METRICS: dict[str, str] = {
     "pagedserve:request_generation_tokens": "histogram",
     "pagedserve:iteration_tokens_total": "histogram",
     "pagedserve:step_duration_seconds": "histogram",
+    "pagedserve:cpu_turns_wait_seconds_total": "counter",
     "pagedserve:cache_config_info": "info",
     "pagedserve:structured_output_requests_total": "counter",
     "pagedserve:grammar_compile_seconds": "histogram",

@@ -42,36 +42,48 @@ def _steps(name: str, share: float | None, run_s: float, start_at: float, out) -
     out.put(intervals)
 
 
-def _run_group(name: str, share: float, run_s: float = 1.0):
+def _run_group(name: str, shares: list[float | None], run_s: float = 1.0):
+    """Each share's server stepping for `run_s` (None: a foreground one); their steps."""
     context = multiprocessing.get_context("spawn")
-    out_fg, out_bg = context.Queue(), context.Queue()
-    start_at = time.monotonic() + 3.0  # both children imported and waiting
-    children = [context.Process(target=_steps, args=(name, None, run_s, start_at, out_fg)),
-                context.Process(target=_steps, args=(name, share, run_s, start_at, out_bg))]
+    queues = [context.Queue() for _ in shares]
+    start_at = time.monotonic() + 3.0  # every child imported and waiting
+    children = [context.Process(target=_steps, args=(name, share, run_s, start_at, out))
+                for share, out in zip(shares, queues, strict=True)]
     for child in children:
         child.start()
-    foreground, background = out_fg.get(timeout=60), out_bg.get(timeout=60)
+    steps = [out.get(timeout=60) for out in queues]
     for child in children:
         child.join(timeout=10)
         assert child.exitcode == 0
-    return foreground, background
+    return steps
+
+
+def assert_no_overlap(first, second) -> None:
+    for a_start, a_end in first:
+        for b_start, b_end in second:
+            assert a_end <= b_start or b_end <= a_start, "two steps of a group overlapped"
 
 
 def test_steps_never_overlap_and_the_background_keeps_its_share(group):
     share = 0.2
-    foreground, background = _run_group(group, share)
+    foreground, background = _run_group(group, [None, share])
     assert len(foreground) > 50
     # Never starved: the background steps while the foreground steps back to back.
     inside = [b for b in background if foreground[0][0] < b[0] < foreground[-1][1]]
     assert len(inside) >= 3
-    for b_start, b_end in background:
-        for f_start, f_end in foreground:
-            assert b_end <= f_start or f_end <= b_start, "two steps of a group overlapped"
+    assert_no_overlap(foreground, background)
     # While the foreground is busy, after a step of d seconds the background waits at least
     # d * (1 - share) / share (its turn spans the recorded step, so the bound holds for it).
     for (start, end), (next_start, _) in zip(background, background[1:], strict=False):
         if foreground[0][0] < start and next_start < foreground[-1][1]:
             assert next_start - end >= (end - start) * (1 - share) / share - 1e-4
+
+
+def test_two_busy_foreground_servers_alternate(group):
+    first, second = _run_group(group, [None, None])
+    assert_no_overlap(first, second)
+    # Each hands the lock over after its step: neither takes it straight back for long.
+    assert min(len(first), len(second)) > 0.3 * (len(first) + len(second))
 
 
 def test_a_background_server_alone_steps_without_waiting(group):
