@@ -9,7 +9,8 @@ checkpoint, llama-server on the GGUF that llama.cpp's own converter makes of it
 (`--gguf-type`, f16 by default), and pagedserve on that GGUF too (`pagedserve-gguf`). The client sends the 1,000 mixed-length sentences of
 benchmarks/embeddings.py in `POST /v1/embeddings` calls of B inputs each, one call at a time,
 and reports inputs/s and (real, unpadded) tokens/s, best of --repeats, and each side's lowest
-cosine against sentence-transformers' float32 vectors.
+cosine against sentence-transformers' float32 vectors. Before them, sentence-transformers'
+own `encode(batch_size=B)` in this process (float32, its default) is timed the same way.
 
 Part 2, chat beside embeddings. pagedserve serves the chat model (the default model unless
 --chat-model) on one port and the embedder on another, both on this machine's cores, as
@@ -69,6 +70,16 @@ def gguf_for(model_dir: Path, gguf_type: str, cache: Path) -> Path:
     if not out.exists():
         convert(DEFAULT_TREE, model_dir, out, gguf_type)
     return out
+
+
+def num_tokens_of(model_dir: Path, sentences: list[str]) -> int:
+    """The sentences' tokens as the model reads them (truncated at its max_seq_length)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    max_len = json.loads((model_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
+    return sum(len(tokenizer(s, truncation=True, max_length=max_len).input_ids)
+               for s in sentences)
 
 
 def server_command(args: argparse.Namespace, name: str, model: Path, port: int,
@@ -283,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", nargs="*", choices=SERVERS, default=list(SERVERS),
                         help="part 1's servers (none: part 2 only)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sentence-transformers", action=argparse.BooleanOptionalAction,
+                        default=True, help="part 1: time sentence-transformers' encode "
+                        "(float32, in this process) at each batch size")
     parser.add_argument("--skip-chat-load", action="store_true")
     parser.add_argument("--chat-model", default=None, help="default: the default model")
     parser.add_argument("--chat-dtype", default="auto")
@@ -305,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from sentence_transformers import SentenceTransformer
-    from transformers import AutoTokenizer
-
     cache = Path(tempfile.gettempdir()) / "pagedserve-bench"
     model_dir = Path(args.model) if args.model else minilm_dir(cache)
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
@@ -314,27 +326,40 @@ def main(argv: list[str] | None = None) -> int:
     reference_model = SentenceTransformer(str(model_dir), device="cpu",
                                           model_kwargs={"dtype": torch.float32})
     reference = reference_model.encode(sentences, batch_size=32, normalize_embeddings=True)
+    num_tokens = num_tokens_of(model_dir, sentences)
+    rows: list[dict] = []
+    if args.sentence_transformers:  # in this process, float32 (its default), same threads
+        for batch in args.batch_sizes:
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                reference_model.encode(sentences, batch_size=batch, normalize_embeddings=True)
+                times.append(time.perf_counter() - start)
+            rows.append({"server": "sentence-transformers", "batch": batch,
+                         "inputs_per_s": len(sentences) / min(times),
+                         "tokens_per_s": num_tokens / min(times),
+                         "min_cosine": 1.0})
+            print(f"[sentence-transformers] batch {batch:>3}: "
+                  f"{rows[-1]['inputs_per_s']:8.1f} inputs/s ({rows[-1]['tokens_per_s']:8.0f} "
+                  "tok/s), float32 in process", flush=True)
     del reference_model
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    max_len = json.loads((model_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
-    num_tokens = sum(len(tokenizer(s, truncation=True, max_length=max_len).input_ids)
-                     for s in sentences)
     print(f"{machine_description()}; flags: {cpu_flags()}", flush=True)
     print(f"{len(sentences)} sentences, {num_tokens} tokens; pagedserve --dtype {args.dtype}, "
           f"llama-server {args.gguf_type}", flush=True)
 
-    rows: list[dict] = []
     for name in args.servers:
         model = model_dir if name == "pagedserve" else gguf_for(model_dir, args.gguf_type, cache)
         rows += throughput(args, name, model, sentences, num_tokens, reference)
     by_key = {(r["server"], r["batch"]): r for r in rows}
     for batch in args.batch_sizes:
-        theirs = by_key.get(("llamacpp", batch))
-        for name in ("pagedserve", "pagedserve-gguf"):
-            ours = by_key.get((name, batch))
-            if ours and theirs:
-                print(f"batch {batch}: {name} / llama-server = "
-                      f"{ours['inputs_per_s'] / theirs['inputs_per_s']:.2f}x")
+        for peer, peer_name in (("llamacpp", "llama-server"),
+                                ("sentence-transformers", "sentence-transformers")):
+            theirs = by_key.get((peer, batch))
+            for name in ("pagedserve", "pagedserve-gguf"):
+                ours = by_key.get((name, batch))
+                if ours and theirs:
+                    print(f"batch {batch}: {name} / {peer_name} = "
+                          f"{ours['inputs_per_s'] / theirs['inputs_per_s']:.2f}x")
     chat_rows = [] if args.skip_chat_load else chat_load(args, model_dir, sentences)
     (Path(args.result_dir) / "results.json").write_text(
         json.dumps({"throughput": rows, "chat_load": chat_rows}, indent=2))
