@@ -16,14 +16,14 @@ Part 2, chat beside embeddings. pagedserve serves the chat model (the default mo
 --chat-model) on one port and the embedder on another, both on this machine's cores, as
 docs/embeddings.md tells users to run them. 8 chat clients (benchmarks.serve: random
 128-token prompts, 128 tokens out) run alone and then beside a client that sends batch-32
-embedding calls without pause, in ABBA order; reported: chat ITL p50 both ways, its rise, and
-the embedding inputs/s reached under chat load; then the same beside a control, a SCHED_IDLE
-Python busy loop (no embeddings at all). `--embedder-priority` runs the embedder at
-the default priority (`normal`), under `nice -n 19` (`nice`), as SCHED_IDLE (`idle`:
-`chrt --idle 0`, CPU only when nothing else wants it) or taking turns with the chat server
-(`turns`: both started with `--cpu-turns`, the embedder with `--cpu-turns-share
---turns-share` and `--max-num-batched-tokens --turns-step-tokens`, engine/core/cpu_turns.py);
-each value is one row. Chat ITL mean and p90 are reported beside the p50.
+embedding calls without pause, in ABBA order; reported: chat ITL p50, mean and p90 both
+ways, their rise, and the embedding inputs/s done while the chat clients ran; then the same
+beside a control, a SCHED_IDLE Python busy loop (no embeddings at all). `--embedder-priority`
+runs the embedder at the default priority (`normal`), under `nice -n 19` (`nice`), as
+SCHED_IDLE (`idle`: `chrt --idle 0`, CPU only when nothing else wants it) or taking turns with
+the chat server (`turns`: both started with `--cpu-turns`, the embedder with
+`--cpu-turns-share` each of `--turns-share` and `--max-num-batched-tokens
+--turns-step-tokens`; engine/core/cpu_turns.py); each is one row.
 """
 
 from __future__ import annotations
@@ -83,11 +83,12 @@ def num_tokens_of(model_dir: Path, sentences: list[str]) -> int:
 
 
 def server_command(args: argparse.Namespace, name: str, model: Path, port: int,
-                   priority: str = "normal") -> list[str]:
+                   priority: str = "normal", turns_share: float | None = None) -> list[str]:
+    """`priority` "turns": a background server of TURNS_GROUP with `turns_share`."""
     loopback = ["--host", "127.0.0.1", "--port", str(port)]
     niced = PRIORITY_COMMANDS[priority]
     if name.startswith("pagedserve"):
-        turns = (["--cpu-turns", TURNS_GROUP, "--cpu-turns-share", str(args.turns_share),
+        turns = (["--cpu-turns", TURNS_GROUP, "--cpu-turns-share", str(turns_share),
                   "--max-num-batched-tokens", str(args.turns_step_tokens)]
                  if priority == "turns" else [])
         return [*niced, sys.executable, "-m", "server", "serve", "--model", str(model),
@@ -179,19 +180,18 @@ class EmbeddingLoad:
         self._counter = context.Value("q", 0)
         self._process = context.Process(target=_send_embeddings, args=(
             base_url, sentences, batch, self._stop, self._counter), daemon=True)
-        self.inputs = 0
-        self.seconds = 0.0
 
     def __enter__(self) -> EmbeddingLoad:
-        self._start = time.perf_counter()
         self._process.start()
         return self
+
+    def inputs_so_far(self) -> int:
+        with self._counter.get_lock():
+            return self._counter.value
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._process.join()
-        self.seconds = time.perf_counter() - self._start
-        self.inputs = self._counter.value
         if self._process.exitcode != 0:  # a rate of 0 inputs/s must not pass as a figure
             raise RuntimeError("the embedding client failed (its traceback is above)")
 
@@ -216,7 +216,8 @@ class BusyLoop:
     """The control for part 2: one idle-priority process spinning in Python (what any busy
     neighbour costs the chat server on this machine, whatever it computes)."""
 
-    inputs, seconds = 0, 1.0
+    def inputs_so_far(self) -> int:
+        return 0
 
     def __enter__(self) -> BusyLoop:
         self._process = subprocess.Popen(
@@ -240,8 +241,11 @@ def itl_beside(args: argparse.Namespace, chat_url: str, chat_dir: str, name: str
             continue
         with make_load() as load:
             time.sleep(2.0)  # the load is running before the chat clients start
+            inputs_before, started = load.inputs_so_far(), time.perf_counter()
             beside.append(chat_itl_ms(args, chat_url, chat_dir, label))
-        rates.append(load.inputs / load.seconds)
+            # The embeddings done while the chat clients ran (not before or after them).
+            rates.append((load.inputs_so_far() - inputs_before)
+                         / (time.perf_counter() - started))
     row: dict = {"beside": name}
     for key, label in (("median", "p50"), ("mean", "mean"), ("p90", "p90")):
         row[f"itl_{label}_alone_ms"] = statistics.mean(run[key] for run in alone)
@@ -272,11 +276,15 @@ def chat_load(args: argparse.Namespace, embedder: Path, sentences: list[str]) ->
     with running(chat_command, chat_port, log_dir / "chat.log",
                  args.startup_timeout) as chat_url:
         for priority in args.embedder_priority:
-            embed_command = server_command(args, "pagedserve", embedder, embed_port, priority)
-            with running(embed_command, embed_port, log_dir / f"embedder-{priority}.log",
-                         args.startup_timeout) as embed_url:
-                rows.append(itl_beside(args, chat_url, chat_dir, f"embedder ({priority})",
-                                       lambda url=embed_url: EmbeddingLoad(url, sentences)))
+            for share in args.turns_share if priority == "turns" else [None]:
+                label = priority if share is None else f"turns, share {share}"
+                embed_command = server_command(args, "pagedserve", embedder, embed_port,
+                                               priority, share)
+                log = log_dir / f"embedder-{label.replace(', ', '-').replace(' ', '')}.log"
+                with running(embed_command, embed_port, log,
+                             args.startup_timeout) as embed_url:
+                    rows.append(itl_beside(args, chat_url, chat_dir, f"embedder ({label})",
+                                           lambda url=embed_url: EmbeddingLoad(url, sentences)))
         if args.control:
             rows.append(itl_beside(args, chat_url, chat_dir, "idle busy loop (control)",
                                    BusyLoop))
@@ -303,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-clients", type=int, default=8)
     parser.add_argument("--embedder-priority", nargs="+", choices=list(PRIORITY_COMMANDS),
                         default=list(PRIORITY_COMMANDS))
-    parser.add_argument("--turns-share", type=float, default=0.2,
-                        help="`turns`: the embedder's --cpu-turns-share")
-    parser.add_argument("--turns-step-tokens", type=int, default=256,
+    parser.add_argument("--turns-share", type=float, nargs="+", default=[0.2, 0.1],
+                        help="`turns`: the embedder's --cpu-turns-share (a row each)")
+    parser.add_argument("--turns-step-tokens", type=int, default=160,
                         help="`turns`: the embedder's --max-num-batched-tokens")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                         help="part 2's busy-loop control row")
