@@ -13,12 +13,14 @@ from engine.config import (
     EngineConfig,
     ModelConfig,
     byte_size,
+    cpu_turns_name,
     engine_options,
     fraction,
     generation_config_source,
     hf_overrides_json,
     json_object,
     kv_events_config_json,
+    open_fraction,
     positive_int,
     speculative_config_json,
 )
@@ -34,7 +36,10 @@ SAMPLE_TEXT = {positive_int: "3", int: "3", byte_size: "2M", fraction: "0.5", st
                speculative_config_json: '{"method": "suffix"}',
                generation_config_source: "vllm", json_object: '{"temperature": 0.5}',
                kv_events_config_json: '{"topic": "x"}',
-               hf_overrides_json: '{"use_pad_token": true}'}
+               hf_overrides_json: '{"use_pad_token": true}', cpu_turns_name: "box",
+               open_fraction: "0.2"}
+# Options that are only valid beside another: that one's flag and text.
+COMPANIONS = {"cpu_turns_share": ("--cpu-turns", "box")}
 
 
 @pytest.fixture
@@ -106,6 +111,11 @@ def test_a_flag_and_the_llm_keyword_set_the_same_field(parser):
         else:
             value = d.option.choices[-1] if d.option.choices else SAMPLE_TEXT[d.option.type]
             argv = [d.option.flag, value]
+        keywords = {d.name: value}
+        if d.name in COMPANIONS:
+            flag, text = COMPANIONS[d.name]
+            argv += [flag, text]
+            keywords[flag[2:].replace("-", "_")] = text
         from_cli = engine_config_from_args(parser.parse_args(argv), "/m", "m")
-        from_keyword = EngineConfig.from_options("/m", "m", **{d.name: value})
+        from_keyword = EngineConfig.from_options("/m", "m", **keywords)
         assert from_cli == from_keyword != default, d.name
