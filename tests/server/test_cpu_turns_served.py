@@ -12,22 +12,15 @@ import pytest
 
 from engine.core.cpu_turns import CpuTurns, turns_path
 from tests.support.model_fixtures import build_tiny_checkpoint
-from tests.support.server_fixtures import ServerThread
+from tests.support.server_fixtures import start_model_server
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server.http.api_server import APIServer, ServeOptions
-    from server.http.cli import engine_config_from_args, make_arg_parser
-
     group = f"test-served-{uuid.uuid4().hex[:12]}"
     model_dir = build_tiny_checkpoint(tmp_path_factory.mktemp("turns"), "llama")
-    args = make_arg_parser().parse_args(
-        ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "256",
-         "--cpu-turns", group, "--port", "0", "--log-level", "warning"])
-    options = ServeOptions.from_options(vars(args), engine_mode="thread")
-    thread = ServerThread(APIServer(options, engine_config_from_args(args, args.model, "tiny"),
-                                    args.model, ["tiny"])).start()
+    thread = start_model_server(model_dir, "--dtype", "float32", "--max-model-len", "256",
+                                "--cpu-turns", group)
     yield thread, group
     thread.stop()
     turns_path(group).unlink(missing_ok=True)
