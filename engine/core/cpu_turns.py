@@ -17,7 +17,8 @@ A background server (`--cpu-turns-share F`) steps freely while no foreground ser
 work; while one has (it stepped in the last FOREGROUND_LEASE_S), after a step of d seconds
 it waits d * (1 - F) / F before asking again, so its steps take at most F of the time. At
 F = 0.2 a 10 ms chat step rises by 2.5 ms on average; a single background step is never
-cut, so keep its steps short (`--max-num-batched-tokens`).
+cut, so keep its steps short (`--max-num-batched-tokens`). The wait is capped at
+BUDGET_WAIT_MAX_S: the busy loop answers no health check while it waits.
 
 The lock dies with its holder (flock), and every wait on another server has a time limit:
 a server that crashes mid-step never blocks the others.
@@ -43,6 +44,8 @@ from engine.config import CPU_TURNS_NAME_RE
 
 # A foreground server counts as busy this long after its last step.
 FOREGROUND_LEASE_S = 0.25
+# A background server's longest wait for its budget (well under the health check's 60 s).
+BUDGET_WAIT_MAX_S = 10.0
 # A server waiting for the lock looks again this often...
 WAITING_POLL_S = 0.0002
 # ...and the holder counts it as waiting while it looked this recently.
@@ -132,8 +135,8 @@ class CpuTurns:
         if self.is_background:
             share = self.background_share
             foreground_busy = ended < self._times[_BUSY_UNTIL]
-            self._next_turn_at = (ended + (ended - started) * (1.0 - share) / share
-                                  if foreground_busy else ended)
+            wait_s = (ended - started) * (1.0 - share) / share if foreground_busy else 0.0
+            self._next_turn_at = ended + min(wait_s, BUDGET_WAIT_MAX_S)
 
     def take_waited_s(self) -> float:
         """Seconds spent waiting for turns since the last call."""

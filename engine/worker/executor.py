@@ -136,7 +136,9 @@ class Worker:
             if seq_len is not None:  # where sentence-transformers truncates
                 self.max_model_len = min(self.max_model_len, seq_len)
         budget = config.scheduler_config.max_num_batched_tokens
-        if getattr(model, "is_pooling_model", False) and self.max_model_len > budget:
+        serves_pooling = (getattr(model, "is_pooling_model", False)
+                          or config.model_config.runner == "pooling")
+        if serves_pooling and self.max_model_len > budget:
             # A pooling input is computed in one step: a longer one could never run, so it
             # is refused like any input past the context (a 400 naming the limit).
             logger.info("max_model_len %d -> %d: a pooling input is computed in one step "

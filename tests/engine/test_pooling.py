@@ -118,3 +118,17 @@ def test_the_xray_marks_pooling_requests(llm):
     assert listed == {"pool": True, "gen": False}
     while core.has_unfinished_requests():
         core.step()
+
+
+def test_a_pooling_runners_context_is_capped_at_the_step_token_budget(model_dir):
+    """A decoder under --runner pooling computes each input in one step: its context is
+    capped at the step's token budget, so a longer input is refused as past the context."""
+    engine = LLM(str(model_dir), dtype="float32", max_model_len=256, runner="pooling",
+                 max_num_batched_tokens=32, async_scheduling=False)
+    try:
+        assert engine.max_model_len == 32
+        assert len(engine.embed([list(range(3, 35))], use_tqdm=False)[0].pooled) > 0
+        with pytest.raises(ValueError, match="maximum context length"):
+            engine.embed([list(range(3, 36))], use_tqdm=False)
+    finally:
+        engine.shutdown()
