@@ -224,7 +224,13 @@ def join_cpu_turns(config: EngineConfig) -> CpuTurns | None:
     device = config.device_config
     if device.cpu_turns is None:
         return None
-    return CpuTurns(device.cpu_turns, device.cpu_turns_share)
+    turns = CpuTurns(device.cpu_turns, device.cpu_turns_share)
+    # Servers share a group only where they see the same file (one host; containers that
+    # share /dev/shm): the path is logged so that a missing partner can be found.
+    logger.info("--cpu-turns %s: %s server of the group at %s%s", device.cpu_turns,
+                "a background" if turns.is_background else "a foreground", turns.path,
+                f" (share {device.cpu_turns_share})" if turns.is_background else "")
+    return turns
 
 
 def _watch_parent(parent_pid: int) -> None:
