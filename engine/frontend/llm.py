@@ -7,6 +7,7 @@ strings and collects logprobs; the results are the server's `RequestOutput`s, fi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import time
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from engine import openmp
 from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
+from engine.core.core_proc import join_cpu_turns
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
 from engine.lora.checkpoint import check_adapter
@@ -71,6 +73,8 @@ class LLM:
         self.config = config
         self._checked_adapters: set[str] = set()  # adapter paths check_adapter passed
         self.engine_core = EngineCore(config)
+        # --cpu-turns: each step in this group's turn, as a server's (engine/core/cpu_turns.py).
+        self._cpu_turns = join_cpu_turns(config)
         self.max_model_len = self.engine_core.kv_cache_info.max_model_len
         self.processor = Processor(self.tokenizer, self.max_model_len,
                                    self.engine_core.kv_cache_info.vocab_size,
@@ -92,6 +96,9 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine (with tensor_parallel_size > 1: its worker processes); idempotent."""
         self.engine_core.shutdown()
+        if self._cpu_turns is not None:
+            self._cpu_turns.close()
+            self._cpu_turns = None
 
     def __enter__(self) -> LLM:
         return self
@@ -236,7 +243,9 @@ class LLM:
         progress = tqdm(total=num_sequences, desc="generate", disable=not use_tqdm)
         try:
             while core.has_unfinished_requests():
-                step = core.step()
+                with (self._cpu_turns.turn() if self._cpu_turns is not None
+                      else contextlib.nullcontext()):
+                    step = core.step()
                 now, to_abort = time.time(), []
                 for out in step.outputs:
                     state = output_processor.process_output(out, now, to_abort)

@@ -127,3 +127,30 @@ def test_an_encoders_context_is_capped_at_the_step_token_budget(tiny_bert):
             llm.embed([list(range(1, 18))], use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_an_offline_llm_steps_in_its_cpu_turn(tiny_bert):
+    """LLM(cpu_turns=...) steps only in its group's turn, as a server does: while another
+    member holds the CPUs, an embed call waits; once they are free it completes."""
+    import concurrent.futures
+    import time
+    import uuid
+
+    from engine import LLM
+    from engine.core.cpu_turns import CpuTurns, turns_path
+
+    path, _ = tiny_bert
+    group = f"test-llm-{uuid.uuid4().hex[:12]}"
+    llm = LLM(str(path), dtype="float32", cpu_turns=group, cpu_turns_share=0.5)
+    other = CpuTurns(group)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with other.turn():
+                pending = pool.submit(llm.embed, [[1, 2, 3]], use_tqdm=False)
+                time.sleep(0.5)
+                assert not pending.done(), "the LLM stepped while another held the CPUs"
+            assert len(pending.result(timeout=60)[0].pooled) == 32
+    finally:
+        other.close()
+        llm.shutdown()
+        turns_path(group).unlink(missing_ok=True)
