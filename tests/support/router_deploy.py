@@ -373,13 +373,17 @@ def running_router(binary: str, args: list[str], timeout: float = 60,
 
 
 def compose_interpolate(value: str, env: dict[str, str] | None = None) -> str:
-    """Compose's ${VAR}, ${VAR:-default} and ${VAR-default} with `env` (default: unset)."""
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR-default} with `env` (default: unset);
+    ${VAR:?message} and ${VAR?message} raise ValueError(message) where VAR is missing (or,
+    with the colon, empty), as compose refuses to start."""
     env = env or {}
 
     def one_var(match: re.Match) -> str:
         name, op, default = match.group(1), match.group(2), match.group(3) or ""
-        if name in env and (env[name] or op != ":-"):
+        if name in env and (env[name] or not (op or "").startswith(":")):
             return env[name]
+        if op and op.endswith("?"):
+            raise ValueError(f"{name}: {default}")
         return default if op else ""
 
-    return re.sub(r"\$\{(\w+)(?:(:?-)([^}]*))?\}", one_var, value)
+    return re.sub(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}", one_var, value)
