@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from server.http.cli import make_arg_parser
-from tests.support.router_deploy import compose_interpolate, compose_spec_errors
+from tests.support.kubernetes_schemas import compose_spec_errors
+from tests.support.router_deploy import compose_interpolate
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose" / "chat-and-embeddings.yaml"

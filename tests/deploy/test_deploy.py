@@ -45,14 +45,16 @@ from unittest import mock
 import pytest
 import yaml
 
-from tests.support.router_deploy import compose_spec_errors
-
 try:  # tests/ as a package (tests/__init__.py) or as plain rootdir-less test modules
     from tests.support import deploy_exprs as dx
-    from tests.support.kubernetes_schemas import assert_valid_kubernetes, crd_validator
+    from tests.support.kubernetes_schemas import (
+        assert_valid_kubernetes,
+        compose_spec_errors,
+        crd_validator,
+    )
 except ImportError:
     import deploy_exprs as dx
-    from kubernetes_schemas import assert_valid_kubernetes, crd_validator
+    from kubernetes_schemas import assert_valid_kubernetes, compose_spec_errors, crd_validator
 
 ROOT = dx.REPO_ROOT
 DOCKERFILE = ROOT / "Dockerfile"

@@ -36,7 +36,11 @@ import pytest
 import yaml
 
 from tests.support import router_deploy as rd
-from tests.support.kubernetes_schemas import assert_valid_kubernetes, crd_validator
+from tests.support.kubernetes_schemas import (
+    assert_valid_kubernetes,
+    compose_spec_errors,
+    crd_validator,
+)
 
 ROOT = rd.REPO_ROOT
 DOCKERFILE = ROOT / "Dockerfile"
@@ -601,7 +605,7 @@ def healthcheck_url(service: dict, name: str) -> tuple[int, str]:
 
 
 def test_compose_matches_the_compose_specification(compose):
-    errors = rd.compose_spec_errors(compose)
+    errors = compose_spec_errors(compose)
     assert not errors, "\n".join(errors)
 
 

@@ -1,10 +1,12 @@
 """Kubernetes manifests against the schemas: built-in kinds through `kubernetes-validate`
 (strict), custom resources against the CRD schemas in tests/data/schemas/
-(`{kind}.{group}_{version}.json`, lower-case kind). Shared by tests/deploy/test_deploy.py,
-test_router_deploy.py and test_tensor_parallel_deploy.py."""
+(`{kind}.{group}_{version}.json`, lower-case kind); and compose files against the Compose
+Specification's (`compose_spec_errors`). Shared by tests/deploy/test_deploy.py,
+test_router_deploy.py, test_tensor_parallel_deploy.py and test_compose_chat_and_embeddings.py."""
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from pathlib import Path
 
@@ -41,3 +43,13 @@ def crd_validator(kind: str, api_version: str) -> jsonschema.protocols.Validator
     group, version = api_version.split("/")
     schema = json.loads((SCHEMAS / f"{kind.lower()}.{group}_{version}.json").read_text())
     return jsonschema.validators.validator_for(schema)(schema)
+
+
+def compose_spec_errors(doc: dict) -> list[str]:
+    """Where a compose file (parsed) breaks the Compose Specification's JSON schema (the copy
+    check-jsonschema vendors), one line each; empty when it conforms."""
+    schema_file = importlib.resources.files(
+        "check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json")
+    schema = json.loads(schema_file.read_text())
+    errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(doc)
+    return [f"{list(e.path)}: {e.message}" for e in sorted(errors, key=lambda e: list(e.path))]

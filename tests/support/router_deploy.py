@@ -372,20 +372,6 @@ def running_router(binary: str, args: list[str], timeout: float = 60,
             stop_process(router, 10)
 
 
-def compose_spec_errors(doc: dict) -> list[str]:
-    """Where a compose file (parsed) breaks the Compose Specification's JSON schema (the copy
-    check-jsonschema vendors), one line each; empty when it conforms."""
-    import importlib.resources
-
-    import jsonschema
-
-    schema_file = importlib.resources.files(
-        "check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json")
-    schema = json.loads(schema_file.read_text())
-    errors = jsonschema.validators.validator_for(schema)(schema).iter_errors(doc)
-    return [f"{list(e.path)}: {e.message}" for e in sorted(errors, key=lambda e: list(e.path))]
-
-
 def compose_interpolate(value: str, env: dict[str, str] | None = None) -> str:
     """Compose's ${VAR}, ${VAR:-default} and ${VAR-default} with `env` (default: unset);
     ${VAR:?message} and ${VAR?message} raise ValueError(message) where VAR is missing (or,
