@@ -172,7 +172,7 @@ inline const uint8_t* group_at(const uint8_t* block, int64_t g) {
   return block + g * group_stride(kInt8, kQ6k);
 }
 
-// Asks for the weights kPrefetchAheadBytes past group g (its size in lines) while group g is
+// Asks for one group's worth of lines kPrefetchAheadBytes past group g, while group g is
 // computed. Each thread streams its own run of blocks, and the cores' stream prefetchers
 // stop at every 4 KiB page: without this, each page's first lines stall a thread on memory.
 // 3 KiB ~ memory latency times one thread's share of the bandwidth. Same-process A/Bs on a
