@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.core import EngineCore
-from engine.core.cpu_turns import CpuTurns
+from engine.core.cpu_turns import CpuTurns, join_cpu_turns
 from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     UTILITY_METHODS,
@@ -217,20 +217,6 @@ class EngineCoreProc:
         except Exception as exc:  # noqa: BLE001 - a viewer's bug must not stop serving
             logger.exception("x-ray snapshot failed")
             return XrayResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
-
-
-def join_cpu_turns(config: EngineConfig) -> CpuTurns | None:
-    """This server's seat in its --cpu-turns group, if it has one."""
-    device = config.device_config
-    if device.cpu_turns is None:
-        return None
-    turns = CpuTurns(device.cpu_turns, device.cpu_turns_share)
-    # Servers share a group only where they see the same file (one host; containers that
-    # share /dev/shm): the path is logged so that a missing partner can be found.
-    logger.info("--cpu-turns %s: %s server of the group at %s%s", device.cpu_turns,
-                "a background" if turns.is_background else "a foreground", turns.path,
-                f" (share {device.cpu_turns_share})" if turns.is_background else "")
-    return turns
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import tempfile
@@ -40,7 +41,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.config import CPU_TURNS_NAME_RE
+from engine.config import CPU_TURNS_NAME_RE, EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # A foreground server counts as busy this long after its last step.
 FOREGROUND_LEASE_S = 0.25
@@ -149,3 +152,17 @@ class CpuTurns:
         self._turns.release()
         self._page.close()
         os.close(self._fd)
+
+
+def join_cpu_turns(config: EngineConfig) -> CpuTurns | None:
+    """This server's seat in its --cpu-turns group, if it has one."""
+    device = config.device_config
+    if device.cpu_turns is None:
+        return None
+    turns = CpuTurns(device.cpu_turns, device.cpu_turns_share)
+    # Servers share a group only where they see the same file (one host; containers that
+    # share /dev/shm): the path is logged so that a missing partner can be found.
+    logger.info("--cpu-turns %s: %s server of the group at %s%s", device.cpu_turns,
+                "a background" if turns.is_background else "a foreground", turns.path,
+                f" (share {device.cpu_turns_share})" if turns.is_background else "")
+    return turns

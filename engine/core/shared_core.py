@@ -32,11 +32,10 @@ from engine.core.core_proc import (
     EngineCoreProc,
     build_engine_core,
     freeze_startup_heap,
-    join_cpu_turns,
     prepare_core_process,
     run_until_stopped,
 )
-from engine.core.cpu_turns import CpuTurns
+from engine.core.cpu_turns import CpuTurns, join_cpu_turns
 from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     AbortRequests,

@@ -43,9 +43,9 @@ from engine.core.core import EngineCore
 from engine.core.core_proc import (
     EngineCoreProc,
     build_engine_core,
-    join_cpu_turns,
     run_engine_core,
 )
+from engine.core.cpu_turns import join_cpu_turns
 from engine.executor.abstract import Executor, ExecutorSpec
 from engine.ipc import (
     AbortRequests,

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from engine import openmp
 from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
-from engine.core.core_proc import join_cpu_turns
+from engine.core.cpu_turns import join_cpu_turns
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
 from engine.lora.checkpoint import check_adapter
