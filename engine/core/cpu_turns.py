@@ -57,8 +57,8 @@ WAITING_FRESH_S = 0.005
 HANDOFF_TIMEOUT_S = 0.005
 HANDOFF_POLL_S = 0.00005
 
-_BUSY_UNTIL, _WAITING_AT = 0, 1  # float64 slots
-_TURNS = 0  # the int64 slot
+_BUSY_UNTIL, _WAITING_AT = 0, 1  # indices into _times: the page's float64 [0] and [1]
+_TURNS = 0  # index into _turns: the page's int64 [2] (bytes 16..23)
 
 
 def turns_path(name: str) -> Path:
