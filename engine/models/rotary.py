@@ -208,6 +208,9 @@ class RotaryEmbedding(nn.Module):
         if largest >= self._table_rows:
             self._table_rows = 1 << largest.bit_length()
             self._cos_table, self._sin_table = self._compute(torch.arange(self._table_rows))
+        if positions.numel() == 1:  # one decode: a view of the row, no gather
+            return (self._cos_table.narrow(0, largest, 1),
+                    self._sin_table.narrow(0, largest, 1))
         return self._cos_table[positions], self._sin_table[positions]
 
 

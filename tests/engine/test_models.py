@@ -122,9 +122,11 @@ def test_rotary_tables_give_the_computed_values_to_the_bit():
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
     rope = load_model_class_rotary(config)
     assert rope.attention_factor != 1.0
+    # One position (a decode) is a view of its row; the rest gathers rows.
     asked = [torch.arange(150), torch.tensor([300]), torch.tensor([7, 2000, 3]),
-             torch.tensor([], dtype=torch.long), torch.tensor([rotary.TABLE_ROWS_MAX + 5])]
-    rows_after = [256, 512, 2048, 2048, 2048]
+             torch.tensor([5]), torch.tensor([], dtype=torch.long),
+             torch.tensor([rotary.TABLE_ROWS_MAX + 5])]
+    rows_after = [256, 512, 2048, 2048, 2048, 2048]
     for positions, rows in zip(asked, rows_after, strict=True):
         cos, sin = rope(positions)
         want_cos, want_sin = rope._compute(positions)

@@ -249,6 +249,25 @@ def test_kernel_rows_plan_worked_example():
     assert rows.sdpa_reqs.tolist() == [0]
 
 
+def test_kernel_rows_plan_of_a_decode_step_is_the_general_plan():
+    """A decode step's plan (its own short path) equals what the general plan makes."""
+    from engine.attention.backends.torch_backend import KernelRows
+    from engine.attention.metadata import AttentionMetadata
+
+    lens = np.array([40, 7, 300], np.int32)
+    qsl = np.arange(len(lens) + 1, dtype=np.int32)
+    metadata = AttentionMetadata.from_host(qsl, lens, np.zeros((3, 20), np.int32),
+                                           np.zeros(3, np.int64), torch.device("cpu"))
+    assert metadata.max_query_len == 1
+    fast, general = KernelRows.plan(metadata), KernelRows.plan_any(metadata)
+    assert fast.token_idx is None and general.token_idx is None
+    assert fast.row_tables.dtype == general.row_tables.dtype == torch.int32
+    assert fast.seq_lens.dtype == general.seq_lens.dtype == torch.int32
+    assert fast.row_tables.tolist() == general.row_tables.tolist() == [0, 1, 2]
+    assert fast.seq_lens.tolist() == general.seq_lens.tolist() == [40, 7, 300]
+    assert fast.sdpa_reqs.tolist() == general.sdpa_reqs.tolist() == []
+
+
 def test_cpu_kernel_rejects_bad_inputs():
     kernel = cpu_attention_kernel()
     batch = make_batch([(20, 1)], 4, 2, 64, 16, num_pad=0)
