@@ -111,7 +111,8 @@ class EngineCoreProc:
     def __init__(self, core: EngineCore, send: Callable[[CoreMessage], None],
                  cpu_turns: CpuTurns | None = None):
         self.core = core
-        self.input_queue: queue.Queue[FrontendMessage] = queue.Queue()
+        # SimpleQueue (C): a Queue's put costs ~20 us of Python at one client's step rate.
+        self.input_queue: queue.SimpleQueue[FrontendMessage] = queue.SimpleQueue()
         self._send = send
         self._running = True
         # --cpu-turns: each step holds this host's CPUs against the group's other servers.
@@ -135,12 +136,9 @@ class EngineCoreProc:
                 self._step()
 
     def _drain_input(self) -> None:
-        while self._running:
-            try:
-                message = self.input_queue.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(message)
+        # The loop is the queue's only reader: not empty means get_nowait has a message.
+        while self._running and not self.input_queue.empty():
+            self._handle(self.input_queue.get_nowait())
 
     def _step(self) -> None:
         steps_before = (self.core.num_steps, self.core.num_steps_applied)
@@ -307,7 +305,7 @@ def run_engine_core(
         os._exit(1)
     freeze_startup_heap()
 
-    output_queue: queue.Queue[CoreMessage | None] = queue.Queue()
+    output_queue: queue.SimpleQueue[CoreMessage | None] = queue.SimpleQueue()
     proc = EngineCoreProc(core, output_queue.put, join_cpu_turns(config))
 
     def send_outputs() -> None:

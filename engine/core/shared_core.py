@@ -208,7 +208,7 @@ def run_shared_engine_core(
         os._exit(1)
     freeze_startup_heap()
 
-    output_queue: queue.Queue[ToFrontend | None] = queue.Queue()
+    output_queue: queue.SimpleQueue[ToFrontend | None] = queue.SimpleQueue()
     proc = SharedEngineCoreProc(core, output_queue.put, len(output_sockets),
                                 join_cpu_turns(config))
 
