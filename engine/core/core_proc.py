@@ -34,7 +34,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.core import EngineCore
-from engine.core.cpu_turns import CpuTurns, join_cpu_turns
+from engine.core.cpu_turns import CpuTurns, join_cpu_turns, turn_of
 from engine.executor.abstract import ExecutorSpec
 from engine.ipc import (
     UTILITY_METHODS,
@@ -142,13 +142,10 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         steps_before = (self.core.num_steps, self.core.num_steps_applied)
-        if self.cpu_turns is None:
+        with turn_of(self.cpu_turns):
             outputs = self.core.step()
-        else:
-            with self.cpu_turns.turn():
-                outputs = self.core.step()
-            if outputs.scheduler_stats is not None:
-                outputs.scheduler_stats.cpu_turns_wait_seconds = self.cpu_turns.take_waited_s()
+        if self.cpu_turns is not None and outputs.scheduler_stats is not None:
+            outputs.scheduler_stats.cpu_turns_wait_seconds = self.cpu_turns.take_waited_s()
         if outputs.outputs or (self.core.num_steps, self.core.num_steps_applied) != steps_before:
             self._send(Outputs(outputs))
             return

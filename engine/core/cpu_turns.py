@@ -154,6 +154,12 @@ class CpuTurns:
         os.close(self._fd)
 
 
+def turn_of(turns: CpuTurns | None) -> contextlib.AbstractContextManager[None]:
+    """`turns.turn()`, or nothing to wait for where the server is in no group: the context
+    each engine step runs in (the core's busy loop, the offline LLM)."""
+    return turns.turn() if turns is not None else contextlib.nullcontext()
+
+
 def join_cpu_turns(config: EngineConfig) -> CpuTurns | None:
     """This server's seat in its --cpu-turns group, if it has one."""
     device = config.device_config

@@ -7,7 +7,6 @@ strings and collects logprobs; the results are the server's `RequestOutput`s, fi
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import time
@@ -20,7 +19,7 @@ from tqdm import tqdm
 from engine import openmp
 from engine.config import EngineConfig, engine_options
 from engine.core.core import EngineCore
-from engine.core.cpu_turns import join_cpu_turns
+from engine.core.cpu_turns import join_cpu_turns, turn_of
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.processor import Processor
 from engine.lora.checkpoint import check_adapter
@@ -243,8 +242,7 @@ class LLM:
         progress = tqdm(total=num_sequences, desc="generate", disable=not use_tqdm)
         try:
             while core.has_unfinished_requests():
-                with (self._cpu_turns.turn() if self._cpu_turns is not None
-                      else contextlib.nullcontext()):
+                with turn_of(self._cpu_turns):
                     step = core.step()
                 now, to_abort = time.time(), []
                 for out in step.outputs:
