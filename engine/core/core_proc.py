@@ -6,12 +6,16 @@
                                   main thread:  busy loop
                                      idle?  block on input_queue
                                      else   drain input_queue (Ping -> Pong), step(),
-                                            queue outputs
-    PULL output.sock ◀──────────  output thread: output_queue ─▶ encode ─▶ send
+                                            encode + send the outputs
+    PULL output.sock ◀──────────  (OutputSockets: sends never block)
 
-The model step runs in the main thread; decoding and encoding happen in the two
-I/O threads (zmq releases the GIL while it waits), so the frontend's Python never
-delays a step and a step never delays the frontend. The process exits when the
+The model step runs in the main thread, and so does the send of its outputs, the moment
+the step ends (~20 us; zmq's own I/O thread writes them): the frontend wakes while this
+thread runs the next step's Python, with a core to spare. (A sending thread got the GIL
+only when the next step's forward released it, so the frontend's work per token landed
+beside the kernels' two threads: ITL p50 3-5% slower at one client, docs/performance.md.)
+Decoding inputs happens in the input thread (zmq releases the GIL while it waits), so a
+long step never keeps a message waiting in the socket. The process exits when the
 frontend sends Shutdown, when its parent process is gone, or after sending EngineDead.
 
 A core shared by N frontends (`serve --api-server-count N`) runs the same loop:
@@ -179,7 +183,7 @@ class EngineCoreProc:
         elif isinstance(message, GrammarCheck):
             self._check_grammar(message)
         elif isinstance(message, XrayCall):
-            self._send(self._xray_snapshot(message))  # encoded by the output thread
+            self._send(self._xray_snapshot(message))
         elif isinstance(message, Shutdown):
             self._running = False
         else:  # pragma: no cover - the codec only decodes the union above
@@ -245,21 +249,50 @@ def prepare_core_process(config: EngineConfig, parent_pid: int, log_level: str) 
     configure_compute_threads(config.device_config.cpu_threads)
 
 
-def run_until_stopped(proc: EngineCoreProc, put_output: Callable[[Any], None],
-                       output_thread: threading.Thread,
+class OutputSockets:
+    """The core's PUSH sockets to its frontend(s), each connected with no send limit
+    (ZMQ_SNDHWM 0), so a send never blocks: a frontend that reads slowly finds the
+    messages queued, as they did in the output queue a sending thread once drained.
+
+    `send` encodes and queues one message for frontend `to` (None: every frontend). The
+    busy loop calls it; so may a grammar thread answering a GrammarCheck: one lock around
+    the codec and the sockets (a ZMQ socket is not thread-safe)."""
+
+    def __init__(self, context: Any, addresses: list[str]):
+        import zmq
+
+        self.sockets = []
+        for address in addresses:  # connect: queued until the frontend binds
+            socket = context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)  # before connect: it sizes the new pipe
+            socket.connect(address)
+            self.sockets.append(socket)
+        self._codec = core_codec()
+        self._lock = threading.Lock()
+
+    def send(self, message: CoreMessage, to: int | None = None) -> None:
+        with self._lock:
+            data = self._codec.encode(message)
+            for socket in self.sockets if to is None else (self.sockets[to],):
+                socket.send(data, copy=False)
+
+    def close(self, linger_ms: int) -> None:
+        """Close every socket; what is still queued is sent for up to `linger_ms`."""
+        for socket in self.sockets:
+            socket.close(linger=linger_ms)
+
+
+def run_until_stopped(proc: EngineCoreProc, send: Callable[[Any], None],
                        addressed: Callable[[EngineDead], Any]) -> int:
     """Run the busy loop until Shutdown (exit code 0) or a fatal error (1: EngineDead is
-    queued first, wrapped by `addressed`); then let the output thread send what is queued
-    and shut the executor down."""
+    sent first, wrapped by `addressed`); then shut the executor down."""
     exit_code = 0
     try:
         proc.run_busy_loop()
     except BaseException as exc:  # noqa: BLE001 - tell the frontends before dying
         logger.exception("engine core died")
-        put_output(addressed(EngineDead(f"{type(exc).__name__}: {exc}")))
+        send(addressed(EngineDead(f"{type(exc).__name__}: {exc}")))
         exit_code = 1
-    put_output(None)
-    output_thread.join(timeout=5)
     try:
         proc.core.shutdown()
     except Exception:  # noqa: BLE001
@@ -284,31 +317,23 @@ def run_engine_core(
 
     prepare_core_process(config, parent_pid, log_level)
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
-    output_socket.connect(output_address)
+    outputs = OutputSockets(context, [output_address])
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)
-    codec = core_codec()
 
     try:
         core = build_engine_core(config, executor_spec)
     except BaseException as exc:  # noqa: BLE001 - report every start-up failure
         logger.error("engine core failed to start: %s", exc)
         message = f"{type(exc).__name__}: {exc}"
-        output_socket.send(codec.encode(StartupError(message, traceback.format_exc())))
+        outputs.send(StartupError(message, traceback.format_exc()))
         input_socket.close(linger=0)
-        output_socket.close(linger=5000)
+        outputs.close(5000)
         context.term()  # returns once StartupError is delivered (or the linger ran out)
         os._exit(1)
     freeze_startup_heap()
 
-    output_queue: queue.SimpleQueue[CoreMessage | None] = queue.SimpleQueue()
-    proc = EngineCoreProc(core, output_queue.put, join_cpu_turns(config))
-
-    def send_outputs() -> None:
-        out_codec = core_codec()
-        while (message := output_queue.get()) is not None:
-            output_socket.send(out_codec.encode(message), copy=False)
+    proc = EngineCoreProc(core, outputs.send, join_cpu_turns(config))
 
     def receive_inputs() -> None:
         in_codec = core_codec()
@@ -320,13 +345,11 @@ def run_engine_core(
                 return
             proc.input_queue.put(in_codec.decode(data.buffer))
 
-    output_thread = threading.Thread(target=send_outputs, daemon=True, name="core-output")
-    output_thread.start()
     threading.Thread(target=receive_inputs, daemon=True, name="core-input").start()
-    output_queue.put(Ready(core.kv_cache_info, os.getpid()))
+    outputs.send(Ready(core.kv_cache_info, os.getpid()))
     logger.info("engine core ready: %s", core.kv_cache_info)
 
-    exit_code = run_until_stopped(proc, output_queue.put, output_thread, lambda dead: dead)
-    output_socket.close(linger=2000)
+    exit_code = run_until_stopped(proc, outputs.send, lambda dead: dead)
+    outputs.close(2000)
     context.term()  # unblocks the input thread, which closes its socket; flushes output
     os._exit(exit_code)

@@ -8,7 +8,7 @@ routing every message:
     frontend 1 ─┼─▶ ROUTER input.sock ┘                                            │
     launcher  ──┘     (Shutdown only)         step outputs split by request owner ◀┘
                                               replies (Pong, ...) to the asker
-    frontend k ◀── PUSH output-k.sock ◀── ToFrontend(k, msg) ◀── output_queue
+    frontend k ◀── PUSH output-k.sock ◀── ToFrontend(k, msg), sent by the busy loop
 
 Its parent is the launcher (server/http/launcher.py), which alone sends Shutdown. The
 frontends' side is engine/frontend/shared_core_client.py; the sockets' addresses and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
@@ -30,6 +29,7 @@ from engine.config import EngineConfig
 from engine.core.core import EngineCore
 from engine.core.core_proc import (
     EngineCoreProc,
+    OutputSockets,
     build_engine_core,
     freeze_startup_heap,
     prepare_core_process,
@@ -184,43 +184,23 @@ def run_shared_engine_core(
     context = zmq.Context()
     input_socket = context.socket(zmq.ROUTER)
     input_socket.bind(addresses.input_address)
-    output_sockets = []
-    for address in addresses.output_addresses:  # connect: queued until frontend k binds
-        output_socket = context.socket(zmq.PUSH)
-        output_socket.connect(address)
-        output_sockets.append(output_socket)
-
-    def close_sockets(linger_ms: int) -> None:
-        for output_socket in output_sockets:
-            output_socket.close(linger=linger_ms)
+    outputs = OutputSockets(context, list(addresses.output_addresses))
 
     try:
         core = build_engine_core(config, executor_spec)
     except BaseException as exc:  # noqa: BLE001 - report every start-up failure
         logger.error("engine core failed to start: %s", exc)
-        data = core_codec().encode(StartupError(f"{type(exc).__name__}: {exc}",
-                                                traceback.format_exc()))
-        for output_socket in output_sockets:
-            output_socket.send(data)
+        outputs.send(StartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         input_socket.close(linger=0)
-        close_sockets(5000)
+        outputs.close(5000)
         context.term()
         os._exit(1)
     freeze_startup_heap()
 
-    output_queue: queue.SimpleQueue[ToFrontend | None] = queue.SimpleQueue()
-    proc = SharedEngineCoreProc(core, output_queue.put, len(output_sockets),
-                                join_cpu_turns(config))
+    def send(item: ToFrontend) -> None:
+        outputs.send(item.message, item.client_index)
 
-    def send_outputs() -> None:
-        out_codec = core_codec()
-        while (item := output_queue.get()) is not None:
-            data = out_codec.encode(item.message)
-            if item.client_index is None:
-                for output_socket in output_sockets:
-                    output_socket.send(data)
-            else:
-                output_sockets[item.client_index].send(data, copy=False)
+    proc = SharedEngineCoreProc(core, send, len(outputs.sockets), join_cpu_turns(config))
 
     def receive_inputs() -> None:
         in_codec = core_codec()
@@ -233,16 +213,13 @@ def run_shared_engine_core(
             message = in_codec.decode(data.buffer)
             proc.input_queue.put(FromFrontend(frontend_index(identity.bytes), message))
 
-    output_thread = threading.Thread(target=send_outputs, daemon=True, name="core-output")
-    output_thread.start()
     threading.Thread(target=receive_inputs, daemon=True, name="core-input").start()
-    output_queue.put(ToFrontend(None, Ready(core.kv_cache_info, os.getpid())))
-    logger.info("engine core ready for %d frontends: %s", len(output_sockets),
+    outputs.send(Ready(core.kv_cache_info, os.getpid()))  # to every frontend
+    logger.info("engine core ready for %d frontends: %s", len(outputs.sockets),
                 core.kv_cache_info)
 
-    exit_code = run_until_stopped(proc, output_queue.put, output_thread,
-                                   lambda dead: ToFrontend(None, dead))  # to every frontend
+    exit_code = run_until_stopped(proc, send, lambda dead: ToFrontend(None, dead))
     # After Shutdown every frontend has left: nothing queued for them is wanted.
-    close_sockets(2000 if exit_code else 0)
+    outputs.close(2000 if exit_code else 0)
     context.term()
     os._exit(exit_code)
