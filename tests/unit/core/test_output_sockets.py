@@ -69,7 +69,8 @@ def test_two_threads_sending_at_once_deliver_every_message_whole(tmp_path):
 
 def test_send_goes_to_one_frontend_or_to_every_one(tmp_path):
     context = zmq.Context()
-    pulls, addresses = zip(*(bound_pull(context, tmp_path, f"out-{k}") for k in range(3)))
+    pulls, addresses = zip(*(bound_pull(context, tmp_path, f"out-{k}") for k in range(3)),
+                           strict=True)
     outputs = OutputSockets(context, list(addresses))
     outputs.send(Pong(7), to=1)
     outputs.send(Pong(8))  # None: every frontend
