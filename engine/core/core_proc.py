@@ -13,7 +13,7 @@ The model step runs in the main thread, and so does the send of its outputs, the
 the step ends (~20 us; zmq's own I/O thread writes them): the frontend wakes while this
 thread runs the next step's Python, with a core to spare. (A sending thread got the GIL
 only when the next step's forward released it, so the frontend's work per token landed
-beside the kernels' two threads: ITL p50 3-5% slower at one client, docs/performance.md.)
+beside the kernels' two threads: one client's ITL p50 ~7% longer, docs/performance.md.)
 Decoding inputs happens in the input thread (zmq releases the GIL while it waits), so a
 long step never keeps a message waiting in the socket. The process exits when the
 frontend sends Shutdown, when its parent process is gone, or after sending EngineDead.
