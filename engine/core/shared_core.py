@@ -66,7 +66,8 @@ class FromFrontend:
 
 @dataclass(frozen=True)
 class ToFrontend:
-    """An item of a shared core's output queue (`client_index` None: every frontend)."""
+    """A message for frontend `client_index` (None: every frontend), as the shared core
+    routes it to `OutputSockets.send`."""
 
     client_index: int | None
     message: CoreMessage
