@@ -282,16 +282,15 @@ class OutputSockets:
             socket.close(linger=linger_ms)
 
 
-def run_until_stopped(proc: EngineCoreProc, send: Callable[[Any], None],
-                       addressed: Callable[[EngineDead], Any]) -> int:
+def run_until_stopped(proc: EngineCoreProc, outputs: OutputSockets) -> int:
     """Run the busy loop until Shutdown (exit code 0) or a fatal error (1: EngineDead is
-    sent first, wrapped by `addressed`); then shut the executor down."""
+    sent to every frontend first); then shut the executor down."""
     exit_code = 0
     try:
         proc.run_busy_loop()
     except BaseException as exc:  # noqa: BLE001 - tell the frontends before dying
         logger.exception("engine core died")
-        send(addressed(EngineDead(f"{type(exc).__name__}: {exc}")))
+        outputs.send(EngineDead(f"{type(exc).__name__}: {exc}"))
         exit_code = 1
     try:
         proc.core.shutdown()
@@ -349,7 +348,7 @@ def run_engine_core(
     outputs.send(Ready(core.kv_cache_info, os.getpid()))
     logger.info("engine core ready: %s", core.kv_cache_info)
 
-    exit_code = run_until_stopped(proc, outputs.send, lambda dead: dead)
+    exit_code = run_until_stopped(proc, outputs)
     outputs.close(2000)
     context.term()  # unblocks the input thread, which closes its socket; flushes output
     os._exit(exit_code)

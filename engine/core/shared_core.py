@@ -8,7 +8,7 @@ routing every message:
     frontend 1 ─┼─▶ ROUTER input.sock ┘                                            │
     launcher  ──┘     (Shutdown only)         step outputs split by request owner ◀┘
                                               replies (Pong, ...) to the asker
-    frontend k ◀── PUSH output-k.sock ◀── ToFrontend(k, msg), sent by the busy loop
+    frontend k ◀── PUSH output-k.sock ◀── OutputSockets.send(msg, k), by the busy loop
 
 Its parent is the launcher (server/http/launcher.py), which alone sends Shutdown. The
 frontends' side is engine/frontend/shared_core_client.py; the sockets' addresses and
@@ -64,15 +64,6 @@ class FromFrontend:
     message: FrontendMessage
 
 
-@dataclass(frozen=True)
-class ToFrontend:
-    """A message for frontend `client_index` (None: every frontend), as the shared core
-    routes it to `OutputSockets.send`."""
-
-    client_index: int | None
-    message: CoreMessage
-
-
 # The frontend that receives every step's SchedulerStats: the engine-wide metrics
 # (gauges, token counters, step histograms) are recorded by this one frontend only, so
 # the launcher's multiprocess /metrics counts each step once.
@@ -82,7 +73,8 @@ STATS_FRONTEND = 0
 class SharedEngineCoreProc(EngineCoreProc):
     """EngineCoreProc for one core shared by several frontends.
 
-    Input items are `FromFrontend`; everything goes out as `ToFrontend`:
+    Input items are `FromFrontend`; everything goes out through `send_to(message, k)`
+    (engine/core/core_proc.py, OutputSockets.send; k None: every frontend):
       * a step's EngineCoreOutputs are split by the owner of each request: frontend k
         gets only its own requests' outputs and first-scheduled times; the step's
         SchedulerStats go to STATS_FRONTEND only. Every frontend gets its part of every
@@ -97,10 +89,10 @@ class SharedEngineCoreProc(EngineCoreProc):
     k's. Only the launcher's Shutdown stops the loop (a frontend that stops just leaves).
     """
 
-    def __init__(self, core: EngineCore, send: Callable[[ToFrontend], None],
+    def __init__(self, core: EngineCore, send_to: Callable[[CoreMessage, int | None], None],
                  num_frontends: int, cpu_turns: CpuTurns | None = None):
         super().__init__(core, self._route, cpu_turns)
-        self._send_to = send
+        self._send_to = send_to
         self.num_frontends = num_frontends
         self.owners: dict[str, int] = {}  # req_id -> index of the frontend that added it
         self._asker: int | None = None  # the sender of the message being handled
@@ -122,8 +114,8 @@ class SharedEngineCoreProc(EngineCoreProc):
             if req_id in self.owners:
                 failed = EngineCoreOutput(req_id, [], "error",
                                           error=f"request id {req_id!r} is already in use")
-                self._send_to(ToFrontend(sender, Outputs(
-                    EngineCoreOutputs(outputs=[failed], timestamp=time.time()))))
+                self._send_to(Outputs(EngineCoreOutputs(outputs=[failed],
+                                                        timestamp=time.time())), sender)
                 return
             self.owners[req_id] = sender  # before the core runs it: a refusal is routed too
         elif isinstance(message, AbortRequests):
@@ -139,15 +131,13 @@ class SharedEngineCoreProc(EngineCoreProc):
 
     def _reply_to_sender(self) -> Callable[[CoreMessage], None]:
         sender = self._asker
-        return lambda message: self._send_to(ToFrontend(sender, message))
+        return lambda message: self._send_to(message, sender)
 
     def _route(self, message: CoreMessage) -> None:
         if isinstance(message, Outputs):
             self._split(message.outputs)
-        elif self._asker is not None:
-            self._send_to(ToFrontend(self._asker, message))
-        else:  # pragma: no cover - every reply is sent while its message is handled
-            self._send_to(ToFrontend(None, message))
+        else:  # a reply, to the asker (every reply is sent while its message is handled)
+            self._send_to(message, self._asker)
 
     def _split(self, outputs: EngineCoreOutputs) -> None:
         parts = [EngineCoreOutputs(timestamp=outputs.timestamp)
@@ -165,7 +155,7 @@ class SharedEngineCoreProc(EngineCoreProc):
                 del self.owners[output.req_id]
         parts[STATS_FRONTEND].scheduler_stats = outputs.scheduler_stats
         for k, part in enumerate(parts):
-            self._send_to(ToFrontend(k, Outputs(part)))
+            self._send_to(Outputs(part), k)
 
 
 def run_shared_engine_core(
@@ -198,10 +188,8 @@ def run_shared_engine_core(
         os._exit(1)
     freeze_startup_heap()
 
-    def send(item: ToFrontend) -> None:
-        outputs.send(item.message, item.client_index)
-
-    proc = SharedEngineCoreProc(core, send, len(outputs.sockets), join_cpu_turns(config))
+    proc = SharedEngineCoreProc(core, outputs.send, len(outputs.sockets),
+                                join_cpu_turns(config))
 
     def receive_inputs() -> None:
         in_codec = core_codec()
@@ -219,7 +207,7 @@ def run_shared_engine_core(
     logger.info("engine core ready for %d frontends: %s", len(outputs.sockets),
                 core.kv_cache_info)
 
-    exit_code = run_until_stopped(proc, send, lambda dead: ToFrontend(None, dead))
+    exit_code = run_until_stopped(proc, outputs)
     # After Shutdown every frontend has left: nothing queued for them is wanted.
     outputs.close(2000 if exit_code else 0)
     context.term()

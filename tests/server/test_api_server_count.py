@@ -28,12 +28,13 @@ import re
 import signal
 import subprocess
 import time
+from typing import NamedTuple
 
 import httpx
 import openai
 import pytest
 
-from engine.core.shared_core import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc, ToFrontend
+from engine.core.shared_core import STATS_FRONTEND, FromFrontend, SharedEngineCoreProc
 from engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -88,10 +89,17 @@ def _add(req_id: str) -> AddRequest:
                                         sampling_params=SamplingParams(max_tokens=4)))
 
 
+class Sent(NamedTuple):
+    """What the router handed to `send_to`: the frontend (None: every one), the message."""
+
+    client_index: int | None
+    message: object
+
+
 def test_router_splits_outputs_by_owner_and_answers_the_asker():
-    sent: list[ToFrontend] = []
+    sent: list[Sent] = []
     core = _StubCore()
-    proc = SharedEngineCoreProc(core, sent.append, 2)  # type: ignore[arg-type]
+    proc = SharedEngineCoreProc(core, lambda message, to: sent.append(Sent(to, message)), 2)
     proc._handle(FromFrontend(0, _add("a")))
     proc._handle(FromFrontend(1, _add("b")))
     proc._handle(FromFrontend(1, _add("a")))  # in use by frontend 0: refused, to 1 only
